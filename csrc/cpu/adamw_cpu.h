@@ -1,0 +1,64 @@
+// CPU multi-tensor AdamW: a framework-free interface over raw buffers.
+//
+// The binding layer validates tensors and fills an AdamWBatch; the kernel is
+// compiled once per instruction set (DEFAULT, AVX2, AVX512) and picked at run
+// time from ATen's CPU capability, as PyTorch does for its own kernels.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "../common/adamw_math.h"
+
+namespace muon_ext {
+namespace cpu {
+
+enum class ScalarKind : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+
+enum class CpuCapability : int { kDefault = 0, kAVX2 = 1, kAVX512 = 2 };
+
+struct AdamWTensor {
+  void* param;        // ScalarKind param_kind, numel elements
+  const void* grad;   // ScalarKind grad_kind, numel elements
+  float* exp_avg;     // numel FP32
+  float* exp_avg_sq;  // numel FP32
+  void* master;       // FP32 (kFP32), int16 (kRemainder) or nullptr (kNone)
+  float* step;        // one FP32 step counter
+  int64_t numel;
+};
+
+struct AdamWBatch {
+  ScalarKind param_kind;
+  ScalarKind grad_kind;
+  MasterKind master_kind;
+  std::vector<AdamWTensor> tensors;
+};
+
+// Advances each tensor's step counter by one, then applies one AdamW step to
+// every element, using the best instruction set this machine supports.
+// Skipping on a found-inf flag is the caller's decision (it must not call).
+void adamw_step(const AdamWBatch& batch, const AdamWHyper& hyper, float lr, float inv_scale);
+
+// Same, with an explicit instruction set (for tests); the capability must be
+// supported by this build and this machine.
+void adamw_step(const AdamWBatch& batch, const AdamWHyper& hyper, float lr, float inv_scale,
+                CpuCapability capability);
+
+// Instruction sets compiled into this build and usable on this machine.
+std::vector<CpuCapability> available_capabilities();
+CpuCapability best_capability();
+const char* capability_name(CpuCapability capability);
+
+// The per-ISA kernels: the element update with per-tensor coefficients; the
+// step counters are not touched here.
+#define MUON_EXT_DECLARE_ADAMW_KERNEL(ISA) \
+  namespace ISA {                          \
+  void adamw_apply(const AdamWBatch& batch, const std::vector<AdamWCoeffs<float>>& coeffs); \
+  }
+MUON_EXT_DECLARE_ADAMW_KERNEL(DEFAULT)
+MUON_EXT_DECLARE_ADAMW_KERNEL(AVX2)
+MUON_EXT_DECLARE_ADAMW_KERNEL(AVX512)
+#undef MUON_EXT_DECLARE_ADAMW_KERNEL
+
+}  // namespace cpu
+}  // namespace muon_ext

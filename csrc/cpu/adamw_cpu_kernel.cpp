@@ -1,0 +1,204 @@
+// AdamW element kernel for one instruction set.  Built once per ISA with
+// CPU_CAPABILITY set to DEFAULT, AVX2 or AVX512 (see setup.py and
+// CMakeLists.txt), which selects the matching at::vec::Vectorized backend.
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "../common/bits.h"
+#include "../common/remainder.h"
+#include "adamw_cpu.h"
+
+#ifndef CPU_CAPABILITY
+#error "CPU_CAPABILITY must be defined (DEFAULT, AVX2 or AVX512)"
+#endif
+
+namespace muon_ext {
+
+template <>
+struct MathOps<at::vec::Vectorized<float>> {
+  static at::vec::Vectorized<float> sqrt(const at::vec::Vectorized<float>& x) { return x.sqrt(); }
+};
+
+namespace cpu {
+namespace CPU_CAPABILITY {
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+
+// Elements handled per parallel work item, and per staging buffer.
+constexpr int64_t kWorkItem = 16384;
+constexpr int64_t kBlock = 512;
+static_assert(kBlock % 64 == 0, "block must hold whole vectors");
+
+template <ScalarKind K>
+inline float load_scalar(const void* base, int64_t i) {
+  if constexpr (K == ScalarKind::kFloat32) {
+    return static_cast<const float*>(base)[i];
+  } else if constexpr (K == ScalarKind::kBFloat16) {
+    return bf16_bits_to_float(static_cast<const uint16_t*>(base)[i]);
+  } else {
+    return half_bits_to_float(static_cast<const uint16_t*>(base)[i]);
+  }
+}
+
+// Round-to-nearest-even write of an FP32 value into a param of kind K.
+template <ScalarKind K>
+inline void store_rne(void* base, int64_t i, float x) {
+  if constexpr (K == ScalarKind::kFloat32) {
+    static_cast<float*>(base)[i] = x;
+  } else if constexpr (K == ScalarKind::kBFloat16) {
+    static_cast<uint16_t*>(base)[i] = float_to_bf16_bits_rne(x);
+  } else {
+    static_cast<uint16_t*>(base)[i] = float_to_half_bits_rne(x);
+  }
+}
+
+inline AdamWCoeffs<Vec> broadcast(const AdamWCoeffs<float>& c) {
+  AdamWCoeffs<Vec> v;
+  v.lr = Vec(c.lr);
+  v.beta1 = Vec(c.beta1);
+  v.one_minus_beta1 = Vec(c.one_minus_beta1);
+  v.beta2 = Vec(c.beta2);
+  v.one_minus_beta2 = Vec(c.one_minus_beta2);
+  v.eps = Vec(c.eps);
+  v.weight_decay = Vec(c.weight_decay);
+  v.bias_correction1 = Vec(c.bias_correction1);
+  v.bias_correction2 = Vec(c.bias_correction2);
+  v.inv_scale = Vec(c.inv_scale);
+  v.adam_w_mode = c.adam_w_mode;
+  return v;
+}
+
+// The update on n contiguous FP32 elements: vector body, scalar tail.  Both
+// evaluate adamw_element with the same operation order, so every element gets
+// the same bits whichever path it takes.
+inline void adamw_contiguous(float* p, float* m, float* v, const float* g, int64_t n,
+                             const AdamWCoeffs<float>& c, const AdamWCoeffs<Vec>& cv) {
+  int64_t j = 0;
+  for (; j + Vec::size() <= n; j += Vec::size()) {
+    Vec vp = Vec::loadu(p + j);
+    Vec vm = Vec::loadu(m + j);
+    Vec vv = Vec::loadu(v + j);
+    const Vec vg = Vec::loadu(g + j);
+    adamw_element(vp, vm, vv, vg, cv);
+    vp.store(p + j);
+    vm.store(m + j);
+    vv.store(v + j);
+  }
+  for (; j < n; ++j) adamw_element(p[j], m[j], v[j], g[j], c);
+}
+
+template <ScalarKind P, ScalarKind G, MasterKind M>
+void adamw_range(const AdamWTensor& t, int64_t begin, int64_t end, const AdamWCoeffs<float>& c) {
+  const AdamWCoeffs<Vec> cv = broadcast(c);
+  alignas(64) float master_buf[kBlock];
+  alignas(64) float grad_buf[kBlock];
+  for (int64_t start = begin; start < end; start += kBlock) {
+    const int64_t n = std::min(kBlock, end - start);
+
+    const float* g;
+    if constexpr (G == ScalarKind::kFloat32) {
+      g = static_cast<const float*>(t.grad) + start;
+    } else {
+      for (int64_t j = 0; j < n; ++j) grad_buf[j] = load_scalar<G>(t.grad, start + j);
+      g = grad_buf;
+    }
+
+    float* p;
+    if constexpr (M == MasterKind::kFP32) {
+      p = static_cast<float*>(t.master) + start;
+    } else if constexpr (M == MasterKind::kRemainder) {
+      const uint16_t* hi = static_cast<const uint16_t*>(t.param) + start;
+      const int16_t* rem = static_cast<const int16_t*>(t.master) + start;
+      for (int64_t j = 0; j < n; ++j) master_buf[j] = merge_master(hi[j], rem[j]);
+      p = master_buf;
+    } else if constexpr (P == ScalarKind::kFloat32) {
+      p = static_cast<float*>(t.param) + start;
+    } else {
+      for (int64_t j = 0; j < n; ++j) master_buf[j] = load_scalar<P>(t.param, start + j);
+      p = master_buf;
+    }
+
+    adamw_contiguous(p, t.exp_avg + start, t.exp_avg_sq + start, g, n, c, cv);
+
+    if constexpr (M == MasterKind::kRemainder) {
+      uint16_t* hi = static_cast<uint16_t*>(t.param) + start;
+      int16_t* rem = static_cast<int16_t*>(t.master) + start;
+      for (int64_t j = 0; j < n; ++j) {
+        const RemainderSplit s = split_master(master_buf[j]);
+        hi[j] = s.bf16_bits;
+        rem[j] = s.remainder;
+      }
+    } else if constexpr (P != ScalarKind::kFloat32) {
+      for (int64_t j = 0; j < n; ++j) store_rne<P>(t.param, start + j, p[j]);
+    }
+  }
+}
+
+using RangeFn = void (*)(const AdamWTensor&, int64_t, int64_t, const AdamWCoeffs<float>&);
+
+template <ScalarKind P, MasterKind M>
+RangeFn pick_grad(ScalarKind g) {
+  switch (g) {
+    case ScalarKind::kFloat32: return &adamw_range<P, ScalarKind::kFloat32, M>;
+    case ScalarKind::kBFloat16: return &adamw_range<P, ScalarKind::kBFloat16, M>;
+    case ScalarKind::kFloat16: return &adamw_range<P, ScalarKind::kFloat16, M>;
+  }
+  return nullptr;
+}
+
+RangeFn pick_range_fn(ScalarKind p, ScalarKind g, MasterKind m) {
+  switch (p) {
+    case ScalarKind::kFloat32:
+      return m == MasterKind::kNone ? pick_grad<ScalarKind::kFloat32, MasterKind::kNone>(g) : nullptr;
+    case ScalarKind::kBFloat16:
+      switch (m) {
+        case MasterKind::kNone: return pick_grad<ScalarKind::kBFloat16, MasterKind::kNone>(g);
+        case MasterKind::kFP32: return pick_grad<ScalarKind::kBFloat16, MasterKind::kFP32>(g);
+        case MasterKind::kRemainder: return pick_grad<ScalarKind::kBFloat16, MasterKind::kRemainder>(g);
+      }
+      return nullptr;
+    case ScalarKind::kFloat16:
+      switch (m) {
+        case MasterKind::kNone: return pick_grad<ScalarKind::kFloat16, MasterKind::kNone>(g);
+        case MasterKind::kFP32: return pick_grad<ScalarKind::kFloat16, MasterKind::kFP32>(g);
+        case MasterKind::kRemainder: return nullptr;
+      }
+      return nullptr;
+  }
+  return nullptr;
+}
+
+}  // namespace
+
+void adamw_apply(const AdamWBatch& batch, const std::vector<AdamWCoeffs<float>>& coeffs) {
+  const RangeFn range_fn = pick_range_fn(batch.param_kind, batch.grad_kind, batch.master_kind);
+  TORCH_CHECK(range_fn != nullptr, "adamw_apply: unsupported dtype / master combination");
+  TORCH_CHECK(coeffs.size() == batch.tensors.size(), "adamw_apply: one coefficient set per tensor expected");
+
+  // Work items: fixed-size element ranges over the concatenated tensors, so a
+  // list of many small tensors and a single huge one both spread over threads.
+  std::vector<int64_t> first_item(batch.tensors.size() + 1, 0);
+  for (size_t i = 0; i < batch.tensors.size(); ++i) {
+    first_item[i + 1] = first_item[i] + (batch.tensors[i].numel + kWorkItem - 1) / kWorkItem;
+  }
+  const int64_t items = first_item.back();
+  if (items == 0) return;
+  at::parallel_for(0, items, 1, [&](int64_t item_begin, int64_t item_end) {
+    size_t tensor = std::upper_bound(first_item.begin(), first_item.end(), item_begin) - first_item.begin() - 1;
+    for (int64_t item = item_begin; item < item_end; ++item) {
+      while (item >= first_item[tensor + 1]) ++tensor;
+      const AdamWTensor& t = batch.tensors[tensor];
+      const int64_t begin = (item - first_item[tensor]) * kWorkItem;
+      const int64_t end = std::min(begin + kWorkItem, t.numel);
+      range_fn(t, begin, end, coeffs[tensor]);
+    }
+  });
+}
+
+}  // namespace CPU_CAPABILITY
+}  // namespace cpu
+}  // namespace muon_ext

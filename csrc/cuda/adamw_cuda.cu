@@ -1,0 +1,259 @@
+// CUDA multi-tensor AdamW.
+//
+// The GPU twin of cpu/adamw_cpu_kernel.cpp: the same adamw_element<float>,
+// the same BF16/FP16 conversions (common/bits.h) and the same remainder split
+// (common/remainder.h), compiled with --fmad=false, so both backends produce
+// the same bits.  A step is two launches on the current stream: one bumps the
+// step counters, then the element kernel reads them for bias correction.  A
+// set found-inf flag makes both do nothing, without a host synchronization.
+#include "adamw_cuda.h"
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <type_traits>
+
+#include "../common/bits.h"
+#include "../common/remainder.h"
+#include "multi_tensor_apply.cuh"
+
+namespace muon_ext {
+namespace cuda {
+namespace {
+
+// 64K elements per block: 32 iterations of 512 threads x kILP, which amortizes
+// the per-block coefficient setup and keeps a launch (320 blocks) at about
+// 21M elements; 512 threads give each SM enough loads in flight to stream at
+// memory bandwidth.  The same sizes as PyTorch's fused Adam.
+constexpr int64_t kChunkSize = 65536;
+
+// Storage formats of params and grads.  BF16 and FP16 travel as raw uint16_t
+// so that every conversion goes through the shared bit helpers.
+struct Float32 {
+  using storage = float;
+  __device__ __forceinline__ static float load(float x) { return x; }
+  __device__ __forceinline__ static float store_rne(float x) { return x; }
+};
+struct BFloat16 {
+  using storage = uint16_t;
+  __device__ __forceinline__ static float load(uint16_t x) { return bf16_bits_to_float(x); }
+  __device__ __forceinline__ static uint16_t store_rne(float x) { return float_to_bf16_bits_rne(x); }
+};
+struct Float16 {
+  using storage = uint16_t;
+  __device__ __forceinline__ static float load(uint16_t x) { return half_bits_to_float(x); }
+  __device__ __forceinline__ static uint16_t store_rne(float x) { return float_to_half_bits_rne(x); }
+};
+
+// W consecutive elements moved with one load / store instruction.
+template <typename T, int W>
+struct alignas(sizeof(T) * W) Pack {
+  T val[W];
+};
+
+template <int W, typename T>
+__device__ __forceinline__ Pack<T, W> load_pack(const T* base, int64_t i) {
+  return *reinterpret_cast<const Pack<T, W>*>(base + i);
+}
+
+template <int W, typename T>
+__device__ __forceinline__ void store_pack(T* base, int64_t i, const Pack<T, W>& pack) {
+  *reinterpret_cast<Pack<T, W>*>(base + i) = pack;
+}
+
+// Operand order in the tensor lists: param, grad, exp_avg, exp_avg_sq[, master].
+template <typename P, typename G, MasterKind M>
+struct AdamWFunctor {
+  static constexpr int kDepth = M == MasterKind::kNone ? 4 : 5;
+  using param_t = typename P::storage;
+  using grad_t = typename G::storage;
+  // The master operand: FP32 master tensor or int16 remainder (unused for kNone).
+  using master_t = std::conditional_t<M == MasterKind::kRemainder, int16_t, float>;
+
+  AdamWHyper hyper;
+  float lr;                    // used when lr_ptr is null
+  const float* lr_ptr;         // device learning rate (capturable), or null
+  const float* inv_scale_ptr;  // grad unscale factor, or null for 1
+  const float* found_inf_ptr;  // skip flag, or null
+
+  __device__ __forceinline__ void operator()(const ChunkTask<kDepth>& task) const {
+    if (found_inf_ptr != nullptr && *found_inf_ptr != 0.0f) return;
+
+    // The double-precision pow in make_adamw_coeffs runs once per block, not
+    // once per thread.
+    __shared__ AdamWCoeffs<float> shared_coeffs;
+    if (threadIdx.x == 0) {
+      const float step = *static_cast<const float*>(task.scalar);
+      shared_coeffs = make_adamw_coeffs(hyper, lr_ptr != nullptr ? *lr_ptr : lr, step,
+                                        inv_scale_ptr != nullptr ? *inv_scale_ptr : 1.0f);
+    }
+    __syncthreads();
+    const AdamWCoeffs<float> coeffs = shared_coeffs;
+
+    if (task.vectorized) {
+      update<kILP>(task, coeffs);
+    } else {
+      update<1>(task, coeffs);
+    }
+  }
+
+  template <int W>
+  __device__ __forceinline__ void update(const ChunkTask<kDepth>& task, const AdamWCoeffs<float>& coeffs) const {
+    param_t* param = static_cast<param_t*>(task.addresses[0]);
+    const grad_t* grad = static_cast<const grad_t*>(task.addresses[1]);
+    float* exp_avg = static_cast<float*>(task.addresses[2]);
+    float* exp_avg_sq = static_cast<float*>(task.addresses[3]);
+    master_t* master = kDepth > 4 ? static_cast<master_t*>(task.addresses[kDepth - 1]) : nullptr;
+
+    const int64_t stride = int64_t(blockDim.x) * W;
+    for (int64_t i = task.begin + int64_t(threadIdx.x) * W; i < task.end; i += stride) {
+      // Issue every load before any math.
+      Pack<param_t, W> param_pack = load_pack<W>(param, i);
+      const Pack<grad_t, W> grad_pack = load_pack<W>(grad, i);
+      Pack<float, W> m = load_pack<W>(exp_avg, i);
+      Pack<float, W> v = load_pack<W>(exp_avg_sq, i);
+      Pack<master_t, W> master_pack;
+      if constexpr (M != MasterKind::kNone) master_pack = load_pack<W>(master, i);
+
+#pragma unroll
+      for (int j = 0; j < W; ++j) {
+        // The FP32 master, exactly as the CPU kernel forms it.
+        float p;
+        if constexpr (M == MasterKind::kFP32) {
+          p = master_pack.val[j];
+        } else if constexpr (M == MasterKind::kRemainder) {
+          p = merge_master(param_pack.val[j], master_pack.val[j]);
+        } else {
+          p = P::load(param_pack.val[j]);
+        }
+
+        adamw_element<float>(p, m.val[j], v.val[j], G::load(grad_pack.val[j]), coeffs);
+
+        if constexpr (M == MasterKind::kRemainder) {
+          const RemainderSplit split = split_master(p);
+          param_pack.val[j] = split.bf16_bits;
+          master_pack.val[j] = split.remainder;
+        } else {
+          if constexpr (M == MasterKind::kFP32) master_pack.val[j] = p;
+          param_pack.val[j] = P::store_rne(p);
+        }
+      }
+
+      store_pack<W>(param, i, param_pack);
+      store_pack<W>(exp_avg, i, m);
+      store_pack<W>(exp_avg_sq, i, v);
+      if constexpr (M != MasterKind::kNone) store_pack<W>(master, i, master_pack);
+    }
+  }
+};
+
+// Step counters: one thread per counter, pointers in the kernel arguments.
+constexpr int kMaxStepsPerLaunch = 504;
+
+struct StepList {
+  float* steps[kMaxStepsPerLaunch];
+  int count;
+};
+static_assert(sizeof(StepList) + sizeof(const float*) <= kKernelArgBytes,
+              "step kernel arguments exceed CUDA's 4 KiB parameter limit");
+static_assert(kMaxStepsPerLaunch <= 1024, "one block of one thread per step");
+
+__global__ void increment_steps_kernel(const StepList list, const float* found_inf_ptr) {
+  if (found_inf_ptr != nullptr && *found_inf_ptr != 0.0f) return;
+  const int i = threadIdx.x;
+  if (i < list.count) *list.steps[i] += 1.0f;
+}
+
+void increment_steps(const std::vector<at::Tensor>& steps, const float* found_inf_ptr, cudaStream_t stream) {
+  for (size_t first = 0; first < steps.size(); first += kMaxStepsPerLaunch) {
+    StepList list;
+    list.count = static_cast<int>(std::min<size_t>(kMaxStepsPerLaunch, steps.size() - first));
+    for (int i = 0; i < list.count; ++i) list.steps[i] = steps[first + i].mutable_data_ptr<float>();
+    increment_steps_kernel<<<1, list.count, 0, stream>>>(list, found_inf_ptr);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+// Steps first, then the element kernel that reads them, on the same stream.
+template <typename P, typename G, MasterKind M>
+void launch_adamw(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                  const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+                  const std::vector<at::Tensor>& masters, const std::vector<at::Tensor>& steps,
+                  const AdamWFunctor<P, G, M>& functor) {
+  // Every param's counter advances, empty params included, as on the CPU.
+  increment_steps(steps, functor.found_inf_ptr, at::cuda::getCurrentCUDAStream());
+  if constexpr (M == MasterKind::kNone) {
+    multi_tensor_apply<4>({&params, &grads, &exp_avgs, &exp_avg_sqs}, &steps, kChunkSize, functor);
+  } else {
+    multi_tensor_apply<5>({&params, &grads, &exp_avgs, &exp_avg_sqs, &masters}, &steps, kChunkSize, functor);
+  }
+}
+
+// Calls fn(Float32{} | BFloat16{} | Float16{}) for a param or grad dtype.
+template <typename Fn>
+void dispatch_storage(at::ScalarType dtype, const char* role, Fn&& fn) {
+  switch (dtype) {
+    case at::kFloat: return fn(Float32{});
+    case at::kBFloat16: return fn(BFloat16{});
+    case at::kHalf: return fn(Float16{});
+    default: TORCH_CHECK(false, "adamw_step: unsupported ", role, " dtype ", dtype);
+  }
+}
+
+}  // namespace
+
+void adamw_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
+                const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
+                const std::vector<at::Tensor>& masters, const std::vector<at::Tensor>& steps,
+                MasterKind master_kind, const AdamWHyper& hyper, double lr,
+                const c10::optional<at::Tensor>& lr_tensor, const c10::optional<at::Tensor>& inv_scale,
+                const c10::optional<at::Tensor>& found_inf) {
+  if (params.empty()) return;
+  // Checked before anything is enqueued, so a bad call leaves no step counted.
+  const size_t count = params.size();
+  TORCH_CHECK(grads.size() == count && exp_avgs.size() == count && exp_avg_sqs.size() == count &&
+                  steps.size() == count && (master_kind == MasterKind::kNone || masters.size() == count),
+              "adamw_step: every tensor list needs one entry per param");
+  const c10::cuda::CUDAGuard device_guard(params.front().device());
+  const float* found_inf_ptr = found_inf.has_value() ? found_inf->const_data_ptr<float>() : nullptr;
+
+  dispatch_storage(params.front().scalar_type(), "param", [&](auto param_kind) {
+    using P = decltype(param_kind);
+    dispatch_storage(grads.front().scalar_type(), "grad", [&](auto grad_kind) {
+      using G = decltype(grad_kind);
+      auto launch = [&](auto master_constant) {
+        constexpr MasterKind M = decltype(master_constant)::value;
+        const AdamWFunctor<P, G, M> functor{hyper,
+                                            static_cast<float>(lr),
+                                            lr_tensor.has_value() ? lr_tensor->const_data_ptr<float>() : nullptr,
+                                            inv_scale.has_value() ? inv_scale->const_data_ptr<float>() : nullptr,
+                                            found_inf_ptr};
+        launch_adamw<P, G, M>(params, grads, exp_avgs, exp_avg_sqs, masters, steps, functor);
+      };
+      // The combinations the CPU kernel instantiates: FP32 params are their own
+      // master; only BF16 params store remainders.
+      switch (master_kind) {
+        case MasterKind::kNone:
+          return launch(std::integral_constant<MasterKind, MasterKind::kNone>{});
+        case MasterKind::kFP32:
+          if constexpr (!std::is_same_v<P, Float32>) {
+            return launch(std::integral_constant<MasterKind, MasterKind::kFP32>{});
+          }
+          break;
+        case MasterKind::kRemainder:
+          if constexpr (std::is_same_v<P, BFloat16>) {
+            return launch(std::integral_constant<MasterKind, MasterKind::kRemainder>{});
+          }
+          break;
+      }
+      TORCH_CHECK(false, "adamw_step: master kind ", static_cast<int>(master_kind), " is not supported for ",
+                  params.front().scalar_type(), " params");
+    });
+  });
+}
+
+}  // namespace cuda
+}  // namespace muon_ext

@@ -1,0 +1,131 @@
+"""Build script for muon_ext.
+
+CPU kernels are always built; CUDA kernels are built when torch has CUDA and
+nvcc is found (CUDA_HOME, default /usr/local/cuda), unless MUON_EXT_FORCE_CPU=1.
+The CPU AdamW kernel is compiled once per instruction set (DEFAULT, AVX2,
+AVX512 on x86-64) and picked at run time, as PyTorch does for its own kernels.
+"""
+
+import os
+import platform
+import sys
+from pathlib import Path
+
+os.environ.setdefault("CUDA_HOME", "/usr/local/cuda")
+
+import torch  # noqa: E402
+from setuptools import setup  # noqa: E402
+from torch.utils import cpp_extension  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent
+CSRC = ROOT / "csrc"
+
+CXX_FLAGS = ["-O3", "-std=c++20", "-ffp-contract=off"]
+# --fmad=false keeps the GPU element math bit-identical to the CPU's.
+NVCC_FLAGS = ["-O3", "-std=c++20", "--fmad=false", "--expt-relaxed-constexpr"]
+
+# Per-ISA builds of the vectorized CPU kernels: (name, compiler flags).
+ISA_VARIANTS_X86 = [
+    ("AVX2", ["-mavx2", "-mfma", "-mf16c"]),
+    ("AVX512", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"]),
+]
+ISA_KERNEL_SOURCES = ["csrc/cpu/adamw_cpu_kernel.cpp"]
+
+
+def _want_cuda() -> bool:
+    if os.environ.get("MUON_EXT_FORCE_CPU", "0") == "1":
+        return False
+    if torch.version.cuda is None:
+        return False
+    nvcc = Path(os.environ["CUDA_HOME"]) / "bin" / "nvcc"
+    return nvcc.exists()
+
+
+def _isa_variants():
+    variants = [("DEFAULT", [])]
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        variants += ISA_VARIANTS_X86
+    return variants
+
+
+def _nvidia_include_dirs():
+    """cuBLAS and friends ship their headers in the `nvidia` wheels, not in CUDA_HOME."""
+    dirs = []
+    for entry in sys.path:
+        for sub in ("nvidia/cu13/include", "nvidia/cublas/include", "nvidia/cuda_runtime/include"):
+            candidate = Path(entry) / sub
+            if candidate.is_dir() and str(candidate) not in dirs:
+                dirs.append(str(candidate))
+    return dirs
+
+
+def _abi_flag():
+    return f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+
+
+class BuildExtension(cpp_extension.BuildExtension):
+    """torch's BuildExtension plus one object file per (ISA kernel, instruction set)."""
+
+    def build_extensions(self):
+        for ext in self.extensions:
+            ext.extra_objects = list(ext.extra_objects or []) + self._compile_isa_kernels(ext)
+        super().build_extensions()
+
+    def _compile_isa_kernels(self, ext):
+        objects = []
+        for isa, isa_flags in _isa_variants():
+            out_dir = os.path.join(self.build_temp, f"isa_{isa.lower()}")
+            macros = [("CPU_CAPABILITY", isa), (f"CPU_CAPABILITY_{isa}", None)]
+            objects += self.compiler.compile(
+                ISA_KERNEL_SOURCES,
+                output_dir=out_dir,
+                macros=macros,
+                include_dirs=ext.include_dirs,
+                extra_postargs=CXX_FLAGS + ["-fPIC", _abi_flag()] + isa_flags,
+            )
+        return objects
+
+
+def _write_build_info(with_cuda: bool):
+    info = ROOT / "muon_ext" / "_build_info.py"
+    info.write_text(
+        '"""Written by setup.py: what this build of muon_ext was compiled against."""\n'
+        f"TORCH_VERSION = {str(torch.__version__)!r}\n"
+        f"WITH_CUDA = {with_cuda!r}\n"
+        f"CUDA_ARCH_LIST = {os.environ.get('TORCH_CUDA_ARCH_LIST', '') if with_cuda else ''!r}\n"
+        f"CPU_ISA_VARIANTS = {tuple(isa for isa, _ in _isa_variants())!r}\n"
+    )
+
+
+def _extension():
+    with_cuda = _want_cuda()
+    if with_cuda and not os.environ.get("TORCH_CUDA_ARCH_LIST") and not torch.cuda.is_available():
+        # No GPU to query: build for Ampere and Hopper.
+        os.environ["TORCH_CUDA_ARCH_LIST"] = "8.0;9.0"
+    _write_build_info(with_cuda)
+
+    macros = [f"-DMUON_EXT_HAVE_{isa}" for isa, _ in _isa_variants() if isa != "DEFAULT"]
+    sources = ["csrc/bindings.cpp", "csrc/cpu/adamw_cpu.cpp"]
+    include_dirs = [str(CSRC)]
+    cxx_flags = CXX_FLAGS + macros
+    if with_cuda:
+        sources += ["csrc/cuda/adamw_cuda.cu"]
+        include_dirs += _nvidia_include_dirs()
+        cxx_flags = cxx_flags + ["-DMUON_EXT_WITH_CUDA"]
+        return cpp_extension.CUDAExtension(
+            "muon_ext._C",
+            sources,
+            include_dirs=include_dirs,
+            extra_compile_args={"cxx": cxx_flags, "nvcc": NVCC_FLAGS + ["-DMUON_EXT_WITH_CUDA"]},
+        )
+    return cpp_extension.CppExtension(
+        "muon_ext._C", sources, include_dirs=include_dirs, extra_compile_args={"cxx": cxx_flags}
+    )
+
+
+setup(
+    ext_modules=[_extension()],
+    cmdclass={"build_ext": BuildExtension},
+    # The wheel runs only with the torch it was compiled against.
+    install_requires=[f"torch=={torch.__version__.split('+')[0]}"],
+)
