@@ -7,7 +7,6 @@ expected to match these functions bit for bit.
 
 from __future__ import annotations
 
-import math
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -69,9 +68,21 @@ def _sqrt(x: torch.Tensor) -> torch.Tensor:
     return torch.sqrt(x.double()).float()
 
 
+def _pow_by_squaring(base: float, step: float) -> float:
+    """beta^n for a whole-number step, by binary exponentiation in double: the
+    exact sequence of IEEE multiplications the kernels perform."""
+    n, result = int(step) if step > 0 else 0, 1.0
+    while n:
+        if n & 1:
+            result = result * base
+        base = base * base
+        n >>= 1
+    return result
+
+
 def _bias_correction(beta: torch.Tensor, step: float, enabled: bool) -> torch.Tensor:
-    # Computed in double, rounded once to FP32, like the kernels.
-    return _f32(1.0 - math.pow(float(beta), step)) if enabled else _f32(1.0)
+    # 1 - beta^t in double, rounded once to FP32, like the kernels.
+    return _f32(1.0 - _pow_by_squaring(float(beta), step)) if enabled else _f32(1.0)
 
 
 def adamw_step(

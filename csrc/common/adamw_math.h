@@ -53,10 +53,25 @@ struct AdamWHyper {
   bool bias_correction;
 };
 
-// bias_correction_k = 1 - beta_k^step (1 when disabled), computed in double and
-// rounded once to FP32 so that every backend obtains the same value.
+// beta^n for a whole-number step n, by binary exponentiation in double.  Only
+// IEEE multiplications are involved (no library pow, whose last bit differs
+// between glibc and CUDA), so every backend -- and the Python reference, which
+// runs the same loop -- gets the same bits.
+MUON_HD double pow_by_squaring(double base, float step) {
+  unsigned long long n = step > 0.0f ? static_cast<unsigned long long>(step) : 0ull;
+  double result = 1.0;
+  while (n != 0ull) {
+    if (n & 1ull) result = result * base;
+    base = base * base;
+    n >>= 1;
+  }
+  return result;
+}
+
+// bias_correction_k = 1 - beta_k^step (1 when disabled), in double, rounded
+// once to FP32.
 MUON_HD float bias_correction(float beta, float step, bool enabled) {
-  return enabled ? float(1.0 - ::pow(double(beta), double(step))) : 1.0f;
+  return enabled ? float(1.0 - pow_by_squaring(double(beta), step)) : 1.0f;
 }
 
 MUON_HD AdamWCoeffs<float> make_adamw_coeffs(const AdamWHyper& h, float lr, float step, float inv_scale) {

@@ -159,14 +159,24 @@ AdamWBatch make_batch(const Combo& c, std::vector<HostTensor>& ts) {
   return b;
 }
 
+// beta^n by binary exponentiation in double, the sequence of multiplications
+// make_adamw_coeffs documents (library pow differs between glibc and CUDA).
+double reference_pow(double base, float step) {
+  double result = 1.0;
+  for (auto n = static_cast<unsigned long long>(step); n != 0; n >>= 1, base *= base) {
+    if (n & 1) result *= base;
+  }
+  return result;
+}
+
 // DESIGN.md's AdamW, in adamw_element's order; bias corrections are computed
 // in double and rounded once, as make_adamw_coeffs documents.
 void reference_step(std::vector<HostTensor>& ts, const AdamWHyper& h, float lr, float inv_scale) {
   const float one_minus_b1 = 1.0f - h.beta1, one_minus_b2 = 1.0f - h.beta2;
   for (HostTensor& t : ts) {
     t.step += 1.0f;
-    const float bc1 = h.bias_correction ? float(1.0 - std::pow(double(h.beta1), double(t.step))) : 1.0f;
-    const float bc2 = h.bias_correction ? float(1.0 - std::pow(double(h.beta2), double(t.step))) : 1.0f;
+    const float bc1 = h.bias_correction ? float(1.0 - reference_pow(h.beta1, t.step)) : 1.0f;
+    const float bc2 = h.bias_correction ? float(1.0 - reference_pow(h.beta2, t.step)) : 1.0f;
     for (int64_t i = 0; i < t.n; ++i) {
       float p = t.read_master(i);
       float g = t.read_grad(i) * inv_scale;
@@ -368,3 +378,22 @@ TEST(AdamWCpuDispatch, UnsupportedCombinationsThrow) {
 }  // namespace
 }  // namespace cpu
 }  // namespace muon_ext
+
+// Each squaring doubles the relative error of the one before, so beta^t by
+// binary exponentiation is within ~t * 2^-53 of the library pow (below 1e-9 for
+// every step a float counter can hold): far below FP32 resolution, so the FP32
+// bias correction is the correctly rounded 1 - beta^t or one ulp off.
+TEST(AdamWBiasCorrection, SquaringAgreesWithLibraryPow) {
+  for (float beta : {0.9f, 0.95f, 0.99f, 0.999f, 0.9999f}) {
+    for (float step = 1.0f; step < 2.0e6f; step = step < 64.0f ? step + 1.0f : step * 1.37f) {
+      const float t = std::floor(step);
+      const double exact = std::pow(double(beta), double(t));
+      const double squared = muon_ext::pow_by_squaring(double(beta), t);
+      ASSERT_NEAR(squared, exact, 1e-9 * exact) << "beta " << beta << " step " << t;
+      const float bc = muon_ext::bias_correction(beta, t, true);
+      const float rounded = float(1.0 - exact);
+      ASSERT_LE(std::fabs(bc - rounded), std::nextafter(rounded, 2.0f) - rounded) << "beta " << beta << " step " << t;
+    }
+  }
+  EXPECT_EQ(muon_ext::bias_correction(0.9f, 5.0f, false), 1.0f);
+}

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import tempfile
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -96,3 +99,10 @@ def snapshot(tensors):
 def assert_unchanged(tensors, before):
     for i, (t, b) in enumerate(zip(tensors, before)):
         assert torch.equal(bits(t), b), f"tensor {i} was modified by a rejected call"
+
+
+def run_python(code: str, env=None, check: bool = False):
+    """Runs `code` in a fresh interpreter outside the source tree, so that
+    `import muon_ext` finds the installed package, not ./muon_ext."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          cwd=tempfile.gettempdir(), check=check)

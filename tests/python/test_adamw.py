@@ -1,11 +1,11 @@
 """The multi-tensor AdamW kernel (CPU) against muon_ext.reference and torch.optim."""
 
-import itertools
+import os
 
 import pytest
 import torch
 
-from helpers import MASTER_MODES, assert_bit_equal, fp32_master, make_grads, make_set
+from helpers import MASTER_MODES, assert_bit_equal, fp32_master, make_grads, make_set, run_python
 from muon_ext import ops, reference
 
 SIZES = [0, 1, 7, 4097, 65537, (33, 17)]
@@ -40,11 +40,8 @@ def test_matches_reference_bit_for_bit(mode, grad_dtype, adam_w_mode, bias_corre
 
 
 @pytest.mark.parametrize("capability", ["DEFAULT", "AVX2", "AVX512"])
-def test_every_instruction_set_gives_the_same_bits(capability, monkeypatch):
+def test_every_instruction_set_gives_the_same_bits(capability):
     # Each ISA build runs in a fresh process capped by ATEN_CPU_CAPABILITY.
-    import subprocess
-    import sys
-
     if capability not in ops.cpu_capabilities():
         pytest.skip(f"{capability} not usable on this machine")
     # Inputs come from numpy: torch's own random generators are vectorized per ISA too.
@@ -60,12 +57,12 @@ def test_every_instruction_set_gives_the_same_bits(capability, monkeypatch):
         "print(ops.cpu_capabilities()[-1], int(p.view(torch.int16).long().sum()), int(r.long().sum()),"
         " hashlib.sha256(m.numpy().tobytes()).hexdigest(), hashlib.sha256(v.numpy().tobytes()).hexdigest())\n"
     )
-    env = dict(__import__("os").environ, ATEN_CPU_CAPABILITY=capability.lower())
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability.lower())
+    out = run_python(code, env=env, check=True).stdout
     used, *checksums = out.split()
     assert used == capability
     env["ATEN_CPU_CAPABILITY"] = "default"
-    base = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout
+    base = run_python(code, env=env, check=True).stdout
     assert checksums == base.split()[1:]
 
 

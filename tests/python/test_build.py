@@ -2,13 +2,12 @@
 
 import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
 import muon_ext
+from helpers import run_python
 from muon_ext import _build_info
 
 
@@ -31,7 +30,7 @@ def test_built_against_the_running_torch():
 
 def test_import_refuses_a_different_torch():
     code = "import torch; torch.__version__ = '0.0.1'; import muon_ext"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    result = run_python(code)
     assert result.returncode != 0
     assert "muon_ext was built against torch" in result.stderr
     assert "0.0.1" in result.stderr
@@ -43,6 +42,6 @@ def test_import_needs_no_gpu():
             "ops.adamw_step([p], [torch.ones(3)], [torch.zeros(3)], [torch.zeros(3)], [torch.zeros(())], lr=0.1); "
             "print(p.tolist())")
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    result = run_python(code, env=env)
     assert result.returncode == 0, result.stderr
     assert [round(x, 6) for x in eval(result.stdout)] == [-0.1, -0.1, -0.1]

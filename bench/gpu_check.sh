@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# GPU check: build in place against the machine's own torch, run the GPU tests,
+# then the benchmarks. Each stage runs under its own time limit and writes its
+# results into RESULTS_DIR as it finishes, so a partial run still reports.
+#
+#   bench/gpu_check.sh RESULTS_DIR
+#
+# RESULTS_DIR receives: stages.json (rc and seconds per stage), log.txt (all
+# output), gpu_tests.json (per-test outcomes) and one JSON file per benchmark.
+set -uo pipefail
+
+OUT=${1:?usage: bench/gpu_check.sh RESULTS_DIR}
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+cd "$(dirname "$0")/.."
+
+export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+export MAX_JOBS=${MAX_JOBS:-16}
+PY=${PYTHON:-python3}
+LOG="$OUT/log.txt"
+STAGES="$OUT/stages.json"
+echo "[]" > "$STAGES"
+
+# stage NAME SECONDS COMMAND...: run, log, and record rc / duration.
+stage() {
+  local name=$1 limit=$2 start rc
+  shift 2
+  start=$(date +%s)
+  echo "===== $name (limit ${limit}s): $*" >> "$LOG"
+  timeout --kill-after=10 "$limit" "$@" >> "$LOG" 2>&1
+  rc=$?
+  "$PY" - "$STAGES" "$name" "$rc" "$(( $(date +%s) - start ))" <<'PYEOF'
+import json, sys
+path, name, rc, seconds = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+stages = json.load(open(path))
+stages.append({"stage": name, "rc": rc, "seconds": seconds, "timed_out": rc in (124, 137)})
+json.dump(stages, open(path, "w"), indent=1)
+PYEOF
+  return $rc
+}
+
+nvidia-smi >> "$LOG" 2>&1
+stage build 420 "$PY" -m pip install --no-build-isolation --no-deps -v -e . || exit 1
+stage gpu_tests 300 "$PY" -m pytest tests/python -m gpu -q -rA -p no:cacheprovider \
+  --junitxml="$OUT/gpu_tests.xml"
+"$PY" - "$OUT/gpu_tests.xml" "$OUT/gpu_tests.json" <<'PYEOF'
+import json, sys, xml.etree.ElementTree as ET
+try:
+    root = ET.parse(sys.argv[1]).getroot()
+except Exception as exc:  # the stage may have been killed before writing it
+    json.dump({"error": str(exc)}, open(sys.argv[2], "w")); sys.exit(0)
+cases = []
+for case in root.iter("testcase"):
+    outcome = "passed"
+    for tag in ("failure", "error", "skipped"):
+        node = case.find(tag)
+        if node is not None:
+            outcome = tag
+            detail = (node.get("message") or "")[:2000]
+            break
+    else:
+        detail = ""
+    cases.append({"test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
+                  "seconds": float(case.get("time", 0)), "detail": detail})
+summary = {k: sum(c["outcome"] == k for c in cases) for k in ("passed", "failure", "error", "skipped")}
+json.dump({"summary": summary, "cases": cases}, open(sys.argv[2], "w"), indent=1)
+PYEOF
+rm -f "$OUT/gpu_tests.xml"
+stage bench_adamw 240 "$PY" bench/adamw.py --device cuda --out "$OUT/adamw.json"
+exit 0
