@@ -68,4 +68,5 @@ json.dump({"summary": summary, "cases": cases}, open(sys.argv[2], "w"), indent=1
 PYEOF
 rm -f "$OUT/gpu_tests.xml"
 stage bench_adamw 240 "$PY" bench/adamw.py --device cuda --out "$OUT/adamw.json"
+stage bench_muon 300 "$PY" bench/muon.py --device cuda --out "$OUT/muon.json"
 exit 0

@@ -8,13 +8,26 @@ so every entry point, Python or C++, validates before it writes anything.
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Optional, Sequence, Tuple, Union
 
 import torch
 
 from . import _C
 
-__all__ = ["adamw_step", "cpu_capabilities"]
+__all__ = [
+    "adamw_step",
+    "muon_step",
+    "split_master",
+    "merge_master",
+    "cpu_capabilities",
+    "POLAR_EXPRESS_COEFFICIENTS",
+]
+
+# (a, b, c) per Polar-Express iteration, the default of muon_step (from csrc/common/muon_math.h).
+POLAR_EXPRESS_COEFFICIENTS = tuple(tuple(abc) for abc in _C.polar_express_coefficients())
+
+# Default bound on the Muon scratch per chunk of matrices.
+DEFAULT_MAX_WORKSPACE_BYTES = 1 << 30
 
 
 def adamw_step(
@@ -68,6 +81,85 @@ def adamw_step(
         inv_scale,
         found_inf,
     )
+
+
+def muon_step(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    momentum_buffers: Sequence[torch.Tensor],
+    second_momentum_buffers: Sequence[torch.Tensor] = (),
+    *,
+    masters: Sequence[torch.Tensor] = (),
+    lr: Union[float, torch.Tensor],
+    momentum: float = 0.95,
+    nesterov: bool = True,
+    beta2: Optional[float] = 0.95,
+    weight_decay: float = 0.1,
+    ns_steps: int = 5,
+    ns_coefficients: Optional[Sequence[Sequence[float]]] = None,
+    lr_scale: str = "original",
+    inv_scale: Optional[torch.Tensor] = None,
+    found_inf: Optional[torch.Tensor] = None,
+    max_workspace_bytes: int = DEFAULT_MAX_WORKSPACE_BYTES,
+) -> None:
+    """One Muon step on a bucket of same-shape matrices, in place.
+
+    Each param is [..., rows, cols] (leading dims index separate matrices), all
+    with the same (rows, cols). `momentum_buffers` are FP32 and param-shaped;
+    `second_momentum_buffers` are FP32 of shape [..., rows, 1] if rows >= cols
+    else [..., 1, cols], and must be empty when `beta2` is None (NorMuon off).
+    `masters` select the master mode as in `adamw_step`. The update is
+    momentum (Nesterov), Polar-Express orthogonalization with `ns_steps` of the
+    (a, b, c) tuples (BF16 GEMMs on CUDA, FP32 on CPU), NorMuon, lr scaling by
+    `lr_scale` ("original", "match_rms_adamw", "none") and cautious weight
+    decay on the FP32 master; see DESIGN.md. Matrices are processed in chunks
+    whose scratch stays under `max_workspace_bytes` (at least one matrix).
+    `inv_scale` / `found_inf` behave as in `adamw_step`; on CUDA the call never
+    syncs the host. Raises (TypeError / ValueError) before touching anything.
+    """
+    lr_value, lr_tensor = _split_lr(lr, params)
+    coefficients = POLAR_EXPRESS_COEFFICIENTS if ns_coefficients is None else ns_coefficients
+    _C.muon_step(
+        list(params),
+        list(grads),
+        list(momentum_buffers),
+        list(second_momentum_buffers),
+        list(masters),
+        lr_value,
+        lr_tensor,
+        float(momentum),
+        bool(nesterov),
+        None if beta2 is None else float(beta2),
+        float(weight_decay),
+        int(ns_steps),
+        [[float(v) for v in abc] for abc in coefficients],
+        str(lr_scale),
+        inv_scale,
+        found_inf,
+        int(max_workspace_bytes),
+    )
+
+
+def split_master(
+    master: torch.Tensor, param: Optional[torch.Tensor] = None, remainder: Optional[torch.Tensor] = None
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Split FP32 masters into (BF16 param, int16 remainder), TransformerEngine's
+    convention (round half up on the bit pattern; exact round trip).
+
+    Writes into `param` / `remainder` when given (contiguous, same shape and
+    device as `master`), else into new tensors; returns both.
+    """
+    param = torch.empty(master.shape, dtype=torch.bfloat16, device=master.device) if param is None else param
+    remainder = torch.empty(master.shape, dtype=torch.int16, device=master.device) if remainder is None else remainder
+    _C.split_master(master, param, remainder)
+    return param, remainder
+
+
+def merge_master(param: torch.Tensor, remainder: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The exact FP32 masters held by BF16 params and int16 remainders."""
+    out = torch.empty(param.shape, dtype=torch.float32, device=param.device) if out is None else out
+    _C.merge_master(param, remainder, out)
+    return out
 
 
 def _split_lr(lr, params):

@@ -7,6 +7,7 @@ expected to match these functions bit for bit.
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -15,6 +16,10 @@ __all__ = [
     "split_master",
     "merge_master",
     "adamw_step",
+    "POLAR_EXPRESS_COEFFICIENTS",
+    "polar_express",
+    "muon_lr_factor",
+    "muon_step",
 ]
 
 
@@ -154,3 +159,134 @@ def _store_master(param: torch.Tensor, master: Optional[torch.Tensor], value: to
         if master is not None:
             master.copy_(value)
         param.copy_(value.to(param.dtype))
+
+
+# ---------------------------------------------------------------------------
+# Muon
+# ---------------------------------------------------------------------------
+
+POLAR_EXPRESS_COEFFICIENTS = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
+
+
+def _lerp(start: torch.Tensor, end: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """torch.lerp's two-sided formula, written out (torch's vectorized CPU lerp uses FMA)."""
+    if abs(float(weight)) < 0.5:
+        return start + weight * (end - start)
+    return end - (end - start) * (_f32(1.0) - weight)
+
+
+def polar_express(x: torch.Tensor, coefficients, bf16: bool = False) -> torch.Tensor:
+    """Polar-Express iterations on a batch of matrices x [B, rows, cols] (FP32 in and out).
+
+    wide (rows <= cols): A = X X^T; B = b A + c A A; X = a X + B X
+    tall (rows >  cols): A = X^T X; B = b A + c A A; X = a X + X B
+    With bf16=True every GEMM takes BF16 operands, accumulates in FP32 and rounds
+    its output (A, B, X) to BF16 once: the rounding of the CUDA kernels.
+    """
+    def rnd(t):
+        return t.bfloat16().float() if bf16 else t
+
+    x = rnd(x.float())
+    wide = x.shape[-2] <= x.shape[-1]
+    for a, b, c in coefficients:
+        a, b, c = _f32(a), _f32(b), _f32(c)
+        if wide:
+            gram = rnd(x @ x.mT)
+            poly = rnd(b * gram + c * (gram @ gram))
+            x = rnd(a * x + poly @ x)
+        else:
+            gram = rnd(x.mT @ x)
+            poly = rnd(b * gram + c * (gram @ gram))
+            x = rnd(a * x + x @ poly)
+    return x
+
+
+def muon_lr_factor(lr_scale: str, rows: int, cols: int) -> float:
+    """lr' / lr for a (rows, cols) matrix: "original" sqrt(max(1, rows/cols)),
+    "match_rms_adamw" 0.2 sqrt(max(rows, cols)), "none" 1."""
+    if lr_scale == "original":
+        return math.sqrt(max(1.0, rows / cols))
+    if lr_scale == "match_rms_adamw":
+        return 0.2 * math.sqrt(max(rows, cols))
+    if lr_scale == "none":
+        return 1.0
+    raise ValueError(f"unknown lr_scale {lr_scale!r}")
+
+
+def muon_step(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    momentum_buffers: Sequence[torch.Tensor],
+    second_momentum_buffers: Sequence[torch.Tensor] = (),
+    *,
+    masters: Sequence[torch.Tensor] = (),
+    lr,
+    momentum: float = 0.95,
+    nesterov: bool = True,
+    beta2: Optional[float] = 0.95,
+    weight_decay: float = 0.1,
+    ns_steps: int = 5,
+    ns_coefficients=None,
+    lr_scale: str = "original",
+    inv_scale: Optional[torch.Tensor] = None,
+    found_inf: Optional[torch.Tensor] = None,
+    bf16_polar: bool = False,
+) -> None:
+    """Reference for `muon_ext.ops.muon_step` (same arguments, same in-place effect).
+
+    Per matrix (params are [..., rows, cols]; leading dims index matrices), FP32:
+      mom = lerp(mom, g, 1 - mu); u = lerp(g, mom, mu) if nesterov else mom
+      X = polar_express(u / (||u||_F * 1.02 + 1e-6))
+      NorMuon (beta2 not None), red = cols if rows >= cols else rows:
+        vm = mean(X^2 over the reduced dim); smb = lerp(smb, vm, 1 - beta2)
+        s = 1 / sqrt(max(smb, 1e-10)); X *= s * sqrt(sum(vm) red) / max(sqrt(sum(vm red s^2)), 1e-10)
+      p -= lr' X + lr' wd p [X p >= 0]      (p: the FP32 master, lr' = lr * factor)
+    `bf16_polar` selects the CUDA rounding of the Polar-Express GEMMs.
+    """
+    if found_inf is not None and float(found_inf) != 0.0:
+        return
+    coefficients = list(POLAR_EXPRESS_COEFFICIENTS if ns_coefficients is None else ns_coefficients)
+    if ns_steps > len(coefficients):
+        raise ValueError(f"ns_steps={ns_steps} but only {len(coefficients)} coefficient tuples")
+    mu = _f32(momentum)
+    scale = _f32(1.0) if inv_scale is None else inv_scale.detach().float().reshape(()).cpu()
+    for i, (p, grad, mom) in enumerate(zip(params, grads, momentum_buffers)):
+        rows, cols = p.shape[-2], p.shape[-1]
+        lr_prime = _f32(float(lr)) * _f32(muon_lr_factor(lr_scale, rows, cols))
+        lr_wd = lr_prime * _f32(weight_decay)
+        g = grad.float().reshape(-1, rows, cols) * scale
+        m = mom.view(-1, rows, cols)
+        m.copy_(_lerp(m, g, _f32(1.0) - mu))
+        u = _lerp(g, m, mu) if nesterov else m.clone()
+        sum_sq = (u.double() ** 2).sum(dim=(-2, -1), keepdim=True).float()
+        x = u * (_f32(1.0) / (_sqrt(sum_sq) * _f32(1.02) + _f32(1e-6)))
+        x = polar_express(x, coefficients[:ns_steps], bf16=bf16_polar)
+        if beta2 is not None:
+            x = x * _normuon_multipliers(x, second_momentum_buffers[i], beta2)
+        master = _load_master(p, masters[i] if masters else None).reshape(-1, rows, cols)
+        decay = torch.where(x * master >= 0, lr_wd * master, torch.zeros_like(master))
+        master = master - (lr_prime * x + decay)
+        _store_master(p, masters[i] if masters else None, master.reshape(p.shape))
+
+
+def _normuon_multipliers(x: torch.Tensor, second_moment: torch.Tensor, beta2: float) -> torch.Tensor:
+    """Per-row (rows >= cols) or per-column factors of NorMuon; updates the state."""
+    rows, cols = x.shape[-2], x.shape[-1]
+    per_row = rows >= cols
+    reduced = cols if per_row else rows
+    dim = -1 if per_row else -2
+    vm = (x.double() ** 2).sum(dim=dim, keepdim=True).float() / _f32(float(reduced))
+    smb = second_moment.view(vm.shape)
+    smb.copy_(_lerp(smb, vm, _f32(1.0) - _f32(beta2)))
+    s = _f32(1.0) / _sqrt(torch.clamp_min(smb, 1e-10))
+    sum_vm = vm.sum(dim=(-2, -1), keepdim=True)
+    sum_scaled = (((vm * _f32(float(reduced))) * s) * s).sum(dim=(-2, -1), keepdim=True)
+    n0 = _sqrt(sum_vm * _f32(float(reduced)))
+    ratio = n0 / torch.clamp_min(_sqrt(sum_scaled), 1e-10)
+    return s * ratio

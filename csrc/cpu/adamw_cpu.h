@@ -9,11 +9,10 @@
 #include <vector>
 
 #include "../common/adamw_math.h"
+#include "scalar_io.h"
 
 namespace muon_ext {
 namespace cpu {
-
-enum class ScalarKind : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 
 enum class CpuCapability : int { kDefault = 0, kAVX2 = 1, kAVX512 = 2 };
 

@@ -10,6 +10,7 @@
 #include "../common/bits.h"
 #include "../common/remainder.h"
 #include "adamw_cpu.h"
+#include "scalar_io.h"
 
 #ifndef CPU_CAPABILITY
 #error "CPU_CAPABILITY must be defined (DEFAULT, AVX2 or AVX512)"
@@ -32,29 +33,6 @@ using Vec = at::vec::Vectorized<float>;
 constexpr int64_t kWorkItem = 16384;
 constexpr int64_t kBlock = 512;
 static_assert(kBlock % 64 == 0, "block must hold whole vectors");
-
-template <ScalarKind K>
-inline float load_scalar(const void* base, int64_t i) {
-  if constexpr (K == ScalarKind::kFloat32) {
-    return static_cast<const float*>(base)[i];
-  } else if constexpr (K == ScalarKind::kBFloat16) {
-    return bf16_bits_to_float(static_cast<const uint16_t*>(base)[i]);
-  } else {
-    return half_bits_to_float(static_cast<const uint16_t*>(base)[i]);
-  }
-}
-
-// Round-to-nearest-even write of an FP32 value into a param of kind K.
-template <ScalarKind K>
-inline void store_rne(void* base, int64_t i, float x) {
-  if constexpr (K == ScalarKind::kFloat32) {
-    static_cast<float*>(base)[i] = x;
-  } else if constexpr (K == ScalarKind::kBFloat16) {
-    static_cast<uint16_t*>(base)[i] = float_to_bf16_bits_rne(x);
-  } else {
-    static_cast<uint16_t*>(base)[i] = float_to_half_bits_rne(x);
-  }
-}
 
 inline AdamWCoeffs<Vec> broadcast(const AdamWCoeffs<float>& c) {
   AdamWCoeffs<Vec> v;

@@ -19,6 +19,7 @@
 #include "../common/bits.h"
 #include "../common/remainder.h"
 #include "multi_tensor_apply.cuh"
+#include "storage.cuh"
 
 namespace muon_ext {
 namespace cuda {
@@ -29,24 +30,6 @@ namespace {
 // 21M elements; 512 threads give each SM enough loads in flight to stream at
 // memory bandwidth.  The same sizes as PyTorch's fused Adam.
 constexpr int64_t kChunkSize = 65536;
-
-// Storage formats of params and grads.  BF16 and FP16 travel as raw uint16_t
-// so that every conversion goes through the shared bit helpers.
-struct Float32 {
-  using storage = float;
-  __device__ __forceinline__ static float load(float x) { return x; }
-  __device__ __forceinline__ static float store_rne(float x) { return x; }
-};
-struct BFloat16 {
-  using storage = uint16_t;
-  __device__ __forceinline__ static float load(uint16_t x) { return bf16_bits_to_float(x); }
-  __device__ __forceinline__ static uint16_t store_rne(float x) { return float_to_bf16_bits_rne(x); }
-};
-struct Float16 {
-  using storage = uint16_t;
-  __device__ __forceinline__ static float load(uint16_t x) { return half_bits_to_float(x); }
-  __device__ __forceinline__ static uint16_t store_rne(float x) { return float_to_half_bits_rne(x); }
-};
 
 // W consecutive elements moved with one load / store instruction.
 template <typename T, int W>
@@ -71,7 +54,7 @@ struct AdamWFunctor {
   using param_t = typename P::storage;
   using grad_t = typename G::storage;
   // The master operand: FP32 master tensor or int16 remainder (unused for kNone).
-  using master_t = std::conditional_t<M == MasterKind::kRemainder, int16_t, float>;
+  using master_t = master_storage_t<M>;
 
   AdamWHyper hyper;
   float lr;                    // used when lr_ptr is null
@@ -82,7 +65,7 @@ struct AdamWFunctor {
   __device__ __forceinline__ void operator()(const ChunkTask<kDepth>& task) const {
     if (found_inf_ptr != nullptr && *found_inf_ptr != 0.0f) return;
 
-    // The double-precision pow in make_adamw_coeffs runs once per block, not
+    // The double-precision bias corrections in make_adamw_coeffs run once per block, not
     // once per thread.
     __shared__ AdamWCoeffs<float> shared_coeffs;
     if (threadIdx.x == 0) {
@@ -121,25 +104,11 @@ struct AdamWFunctor {
 #pragma unroll
       for (int j = 0; j < W; ++j) {
         // The FP32 master, exactly as the CPU kernel forms it.
-        float p;
-        if constexpr (M == MasterKind::kFP32) {
-          p = master_pack.val[j];
-        } else if constexpr (M == MasterKind::kRemainder) {
-          p = merge_master(param_pack.val[j], master_pack.val[j]);
-        } else {
-          p = P::load(param_pack.val[j]);
-        }
+        float p = load_master<P, M>(param_pack.val[j], master_pack.val[j]);
 
         adamw_element<float>(p, m.val[j], v.val[j], G::load(grad_pack.val[j]), coeffs);
 
-        if constexpr (M == MasterKind::kRemainder) {
-          const RemainderSplit split = split_master(p);
-          param_pack.val[j] = split.bf16_bits;
-          master_pack.val[j] = split.remainder;
-        } else {
-          if constexpr (M == MasterKind::kFP32) master_pack.val[j] = p;
-          param_pack.val[j] = P::store_rne(p);
-        }
+        store_master<P, M>(p, param_pack.val[j], master_pack.val[j]);
       }
 
       store_pack<W>(param, i, param_pack);
@@ -192,17 +161,6 @@ void launch_adamw(const std::vector<at::Tensor>& params, const std::vector<at::T
   }
 }
 
-// Calls fn(Float32{} | BFloat16{} | Float16{}) for a param or grad dtype.
-template <typename Fn>
-void dispatch_storage(at::ScalarType dtype, const char* role, Fn&& fn) {
-  switch (dtype) {
-    case at::kFloat: return fn(Float32{});
-    case at::kBFloat16: return fn(BFloat16{});
-    case at::kHalf: return fn(Float16{});
-    default: TORCH_CHECK(false, "adamw_step: unsupported ", role, " dtype ", dtype);
-  }
-}
-
 }  // namespace
 
 void adamw_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
@@ -220,37 +178,17 @@ void adamw_step(const std::vector<at::Tensor>& params, const std::vector<at::Ten
   const c10::cuda::CUDAGuard device_guard(params.front().device());
   const float* found_inf_ptr = found_inf.has_value() ? found_inf->const_data_ptr<float>() : nullptr;
 
-  dispatch_storage(params.front().scalar_type(), "param", [&](auto param_kind) {
-    using P = decltype(param_kind);
-    dispatch_storage(grads.front().scalar_type(), "grad", [&](auto grad_kind) {
-      using G = decltype(grad_kind);
-      auto launch = [&](auto master_constant) {
-        constexpr MasterKind M = decltype(master_constant)::value;
-        const AdamWFunctor<P, G, M> functor{hyper,
-                                            static_cast<float>(lr),
-                                            lr_tensor.has_value() ? lr_tensor->const_data_ptr<float>() : nullptr,
-                                            inv_scale.has_value() ? inv_scale->const_data_ptr<float>() : nullptr,
-                                            found_inf_ptr};
-        launch_adamw<P, G, M>(params, grads, exp_avgs, exp_avg_sqs, masters, steps, functor);
-      };
-      // The combinations the CPU kernel instantiates: FP32 params are their own
-      // master; only BF16 params store remainders.
-      switch (master_kind) {
-        case MasterKind::kNone:
-          return launch(std::integral_constant<MasterKind, MasterKind::kNone>{});
-        case MasterKind::kFP32:
-          if constexpr (!std::is_same_v<P, Float32>) {
-            return launch(std::integral_constant<MasterKind, MasterKind::kFP32>{});
-          }
-          break;
-        case MasterKind::kRemainder:
-          if constexpr (std::is_same_v<P, BFloat16>) {
-            return launch(std::integral_constant<MasterKind, MasterKind::kRemainder>{});
-          }
-          break;
-      }
-      TORCH_CHECK(false, "adamw_step: master kind ", static_cast<int>(master_kind), " is not supported for ",
-                  params.front().scalar_type(), " params");
+  dispatch_param(params.front().scalar_type(), master_kind, [&](auto param_format, auto master_constant) {
+    using P = decltype(param_format);
+    constexpr MasterKind M = decltype(master_constant)::value;
+    dispatch_storage(grads.front().scalar_type(), "grad", [&](auto grad_format) {
+      using G = decltype(grad_format);
+      const AdamWFunctor<P, G, M> functor{hyper,
+                                          static_cast<float>(lr),
+                                          lr_tensor.has_value() ? lr_tensor->const_data_ptr<float>() : nullptr,
+                                          inv_scale.has_value() ? inv_scale->const_data_ptr<float>() : nullptr,
+                                          found_inf_ptr};
+      launch_adamw<P, G, M>(params, grads, exp_avgs, exp_avg_sqs, masters, steps, functor);
     });
   });
 }

@@ -46,7 +46,7 @@ def _corruptions():
     return {
         "masters shorter": (*corrupt_kw("masters", lambda kw, s: s.masters[:-1]), ValueError, "masters must be empty"),
         "params vs grads length": ("fp32", lambda s, g, kw: ([s.params, g[:-1], s.exp_avgs, s.exp_avg_sqs, s.steps], kw),
-                                   ValueError, "same length"),
+                                   ValueError, "grads has 2 entries but params has 3"),
         "grad dtype mixed": (*corrupt(1, lambda t: t.half()), TypeError, "grads[2] has dtype"),
         "grad shape": (*corrupt(1, lambda t: t.reshape(-1)), ValueError, "grads[2] has shape"),
         "grad non-contiguous": (*corrupt(1, lambda t: t.t().contiguous().t()), ValueError, "grads[2] must be contiguous"),
@@ -66,7 +66,7 @@ def _corruptions():
         "step two elements": (*corrupt(4, lambda t: torch.zeros(2)), ValueError, "steps[2] must hold one element"),
         "step shared": ("bf16_remainder", lambda s, g, kw: ([s.params, g, s.exp_avgs, s.exp_avg_sqs,
                                                              _last(s.steps, s.steps[0])], kw),
-                        ValueError, "same tensor as an earlier step"),
+                        ValueError, "steps[2] is the same tensor as an earlier entry"),
         "master dtype mixed": (*corrupt_kw("masters", lambda kw, s: _last(s.masters, s.masters[-1].float())),
                                TypeError, "masters[2] has dtype"),
         "master shape": (*corrupt_kw("masters", lambda kw, s: _last(s.masters, s.masters[-1].reshape(-1))),

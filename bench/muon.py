@@ -1,0 +1,127 @@
+"""Benchmark: muon_ext's Muon step against the seed's MuonAdamW and torch.optim.Muon.
+
+Every contender updates the same stack of same-shape matrices in one process.
+Reports seconds per step and ratios; on GPU also the Polar-Express FLOP rate
+against a plain batched BF16 GEMM measured in the same run.
+Usage: python bench/muon.py [--device cuda] [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from common import environment, gpt_shapes, time_fn, write_json
+from muon_ext import ops
+from peers import load_seed
+
+
+def stacks(device):
+    if device.type == "cuda":
+        return {"16x1024x1024": [(1024, 1024)] * 16, "24x1024x4096": [(1024, 4096)] * 24,
+                "8x4096x4096": [(4096, 4096)] * 8}
+    return {"gpt_d256_l4_hidden": gpt_shapes(256, 4, 8192)["hidden"]}
+
+
+def polar_express_flops(shapes, ns_steps=5):
+    total = 0
+    for rows, cols in shapes:
+        s, l = min(rows, cols), max(rows, cols)
+        total += ns_steps * (4 * s * s * l + 2 * s * s * s)  # X X^T, A A, B X
+    return total
+
+
+def by_shape(shapes):
+    groups = {}
+    for s in shapes:
+        groups.setdefault(s, []).append(s)
+    return list(groups.values())
+
+
+def bench_ours(shapes, device, mode):
+    buckets = []
+    gen = torch.Generator(device=device).manual_seed(0)
+    for group in by_shape(shapes):
+        rows, cols = group[0]
+        stat = (rows, 1) if rows >= cols else (1, cols)
+        masters = [torch.randn(s, device=device, generator=gen) * 0.02 for s in group]
+        params = masters if mode == "fp32" else [m.bfloat16() for m in masters]
+        extra = [] if mode == "fp32" else [torch.zeros(s, dtype=torch.int16, device=device) for s in group]
+        grads = [torch.randn(s, device=device, generator=gen).to(params[0].dtype) for s in group]
+        moms = [torch.zeros(s, device=device) for s in group]
+        smbs = [torch.zeros(stat, device=device) for _ in group]
+        buckets.append((params, grads, moms, smbs, extra))
+    lr = torch.tensor([0.02], device=device) if device.type == "cuda" else 0.02
+
+    def step():
+        for params, grads, moms, smbs, extra in buckets:
+            ops.muon_step(params, grads, moms, smbs, masters=extra, lr=lr)
+
+    return time_fn(step, device, warmup=2, iters=10)
+
+
+def make_params(shapes, device, dtype=torch.float32):
+    gen = torch.Generator(device=device).manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, device=device, generator=gen, dtype=dtype) * 0.02) for s in shapes]
+    for p in params:
+        p.grad = torch.randn(p.shape, device=device, generator=gen, dtype=dtype)
+    return params
+
+
+def bench_seed(shapes, device, compiled):
+    module = load_seed(compiled)
+    if module is None:
+        return None
+    groups = [{"params": make_params(g, device), "kind": "muon", "lr": 0.02, "momentum": 0.95,
+               "weight_decay": 0.1, "beta2": 0.95, "ns_steps": 5} for g in by_shape(shapes)]
+    opt = module.MuonAdamW(groups)
+    return time_fn(opt.step, device, warmup=3, iters=10)
+
+
+def bench_torch_muon(shapes, device):
+    if not hasattr(torch.optim, "Muon"):
+        return None
+    opt = torch.optim.Muon(make_params(shapes, device), lr=0.02, weight_decay=0.1)
+    iters = 3 if device.type == "cpu" else 10
+    return time_fn(opt.step, device, warmup=1, iters=iters)
+
+
+def gemm_rate(device, b=8, n=4096):
+    x = torch.randn(b, n, n, device=device, dtype=torch.bfloat16)
+    seconds = time_fn(lambda: torch.bmm(x, x), device, warmup=3, iters=10)
+    return 2 * b * n**3 / seconds
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", default="bench/results/muon.json")
+    parser.add_argument("--skip-compiled-seed", action="store_true", help="skip torch.compile of the seed (slow on CPU)")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    compile_seed = device.type == "cuda" and not args.skip_compiled_seed
+
+    results = {"benchmark": "muon", "environment": environment(device), "cases": [],
+               "notes": [] if load_seed(False) is not None else ["../shared absent: seed peer skipped"]}
+    if device.type == "cuda":
+        results["bf16_bmm_flops_per_s"] = gemm_rate(device)
+    for name, shapes in stacks(device).items():
+        seconds = {"ours_fp32": bench_ours(shapes, device, "fp32"),
+                   "ours_bf16_remainder": bench_ours(shapes, device, "bf16_remainder"),
+                   "seed_eager": bench_seed(shapes, device, compiled=False),
+                   "seed_compiled": bench_seed(shapes, device, compiled=True) if compile_seed else None,
+                   "torch_muon": bench_torch_muon(shapes, device)}
+        case = {"stack": name, "matrices": len(shapes), "seconds": seconds,
+                "speedup": {f"ours_fp32_vs_{k}": v / seconds["ours_fp32"]
+                            for k, v in seconds.items() if v is not None and not k.startswith("ours")}}
+        if device.type == "cuda":
+            flops = polar_express_flops(shapes)
+            case["polar_express_flops_per_s"] = {k: flops / v for k, v in seconds.items() if v is not None}
+            case["fraction_of_bf16_gemm_rate"] = flops / seconds["ours_bf16_remainder"] / results["bf16_bmm_flops_per_s"]
+        results["cases"].append(case)
+    write_json(args.out, results)
+
+
+if __name__ == "__main__":
+    main()

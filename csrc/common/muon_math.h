@@ -1,0 +1,95 @@
+// Muon element and per-matrix math, written once for every backend.
+//
+// The GEMM-based Polar-Express iterations live with each backend (cuBLAS on
+// CUDA, FP32 at::mm on CPU); what is here is the arithmetic around them:
+// momentum, the input scaling, the NorMuon normalization and the cautious
+// update.  As for AdamW, compile without FMA contraction so that the CPU
+// scalar code and the CUDA kernels evaluate identical expressions.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "macros.h"
+
+namespace muon_ext {
+
+// Polar-Express coefficients (a, b, c), one tuple per iteration.
+constexpr int kPolarExpressDefaultSteps = 5;
+constexpr double kPolarExpressCoefficients[kPolarExpressDefaultSteps][3] = {
+    {8.156554524902461, -22.48329292557795, 15.878769915207462},
+    {4.042929935166739, -2.808917465908714, 0.5000178451051316},
+    {3.8916678022926607, -2.772484153217685, 0.5060648178503393},
+    {3.285753657755655, -2.3681294933425376, 0.46449024233003106},
+    {2.3465413258596377, -1.7097828382687081, 0.42323551169305323},
+};
+
+// Hyper-parameters of one Muon step on one bucket.
+struct MuonHyper {
+  float momentum;      // mu
+  bool nesterov;
+  bool normuon;        // beta2 given
+  float beta2;
+  float weight_decay;
+};
+
+// torch.lerp's formula: the small-weight form below 0.5, the other above, so
+// that both ends are reproduced exactly.
+MUON_HD float lerp(float start, float end, float weight) {
+  return ::fabsf(weight) < 0.5f ? start + weight * (end - start) : end - (end - start) * (1.0f - weight);
+}
+
+// Momentum EMA (in place) and the Nesterov blend; returns the direction u.
+//   mom = lerp(mom, g, 1 - mu);  u = lerp(g, mom, mu) if nesterov else mom
+MUON_HD float muon_momentum(float& mom, float grad, float mu, bool nesterov) {
+  mom = lerp(mom, grad, 1.0f - mu);
+  return nesterov ? lerp(grad, mom, mu) : mom;
+}
+
+// X = u / (||u||_F * 1.02 + 1e-6): the factor, from the sum of squares of u.
+MUON_HD float polar_input_scale(float sum_of_squares) {
+  return 1.0f / (::sqrtf(sum_of_squares) * 1.02f + 1e-6f);
+}
+
+// NorMuon's per-row (rows >= cols) or per-column statistics of one matrix.
+// `reduced` is the length of the reduced dimension (cols or rows).
+MUON_HD float normuon_mean_square(float sum_of_squares, int64_t reduced) {
+  return sum_of_squares / float(reduced);
+}
+
+// s_i = rsqrt(max(smb_i, 1e-10)), as 1 / sqrt for identical rounding everywhere.
+MUON_HD float normuon_step_size(float second_moment) {
+  return 1.0f / ::sqrtf(second_moment > 1e-10f ? second_moment : 1e-10f);
+}
+
+// The norm-preserving factor n0 / max(n1, 1e-10), from
+//   n0^2 = sum(vm) * red   and   n1^2 = sum(vm * red * s^2).
+MUON_HD float normuon_norm_ratio(float sum_vm, float sum_scaled, int64_t reduced) {
+  const float n0 = ::sqrtf(sum_vm * float(reduced));
+  const float n1 = ::sqrtf(sum_scaled);
+  return n0 / (n1 > 1e-10f ? n1 : 1e-10f);
+}
+
+// Cautious weight decay and the update on one FP32 master element:
+//   p -= lr * x + lr * wd * p * (x * p >= 0)
+MUON_HD float muon_apply(float p, float x, float lr, float lr_wd) {
+  const float decay = (x * p >= 0.0f) ? lr_wd * p : 0.0f;
+  return p - (lr * x + decay);
+}
+
+// lr' = lr * factor by the group's lr_scale mode.
+enum class MuonLrScale : int { kNone = 0, kOriginal = 1, kMatchRmsAdamW = 2 };
+
+inline double muon_lr_factor(MuonLrScale mode, int64_t rows, int64_t cols) {
+  switch (mode) {
+    case MuonLrScale::kOriginal: {
+      const double ratio = double(rows) / double(cols);
+      return std::sqrt(ratio > 1.0 ? ratio : 1.0);
+    }
+    case MuonLrScale::kMatchRmsAdamW: return 0.2 * std::sqrt(double(rows > cols ? rows : cols));
+    case MuonLrScale::kNone: return 1.0;
+  }
+  return 1.0;
+}
+
+}  // namespace muon_ext

@@ -1,0 +1,275 @@
+// CPU Muon step: momentum pre-pass into a stacked FP32 workspace, Polar-Express
+// with FP32 GEMMs, NorMuon statistics, cautious apply into params and masters.
+//
+// The element math is csrc/common/muon_math.h, shared with the CUDA kernels.
+// GEMMs run one matrix at a time through at::mm, so a matrix gets the same
+// bits whether it is stepped alone, in a bucket, or in any chunk of one.
+#include "muon_cpu.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <type_traits>
+
+#include "../common/bits.h"
+#include "../common/remainder.h"
+#include "scalar_io.h"
+
+namespace muon_ext {
+namespace cpu {
+namespace {
+
+// Elements per parallel work item in the elementwise passes.
+constexpr int64_t kWorkItem = 16384;
+
+// Where matrix j of the bucket lives: its param and the matrix's index in it.
+struct MatrixRef {
+  int64_t param;
+  int64_t index;
+};
+
+ScalarKind scalar_kind(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return ScalarKind::kFloat32;
+    case at::kBFloat16: return ScalarKind::kBFloat16;
+    default: return ScalarKind::kFloat16;
+  }
+}
+
+// Calls fn(std::integral_constant<ScalarKind, K>) for the format of a float tensor.
+template <typename Fn>
+void dispatch_storage(ScalarKind kind, const Fn& fn) {
+  switch (kind) {
+    case ScalarKind::kFloat32: return fn(std::integral_constant<ScalarKind, ScalarKind::kFloat32>{});
+    case ScalarKind::kBFloat16: return fn(std::integral_constant<ScalarKind, ScalarKind::kBFloat16>{});
+    case ScalarKind::kFloat16: return fn(std::integral_constant<ScalarKind, ScalarKind::kFloat16>{});
+  }
+}
+
+// Sum of squares in double with eight interleaved accumulators combined in a
+// fixed order: fast, and the same bits for the same data on every call.
+double sum_of_squares(const float* x, int64_t n) {
+  double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t k = 0;
+  for (; k + 8 <= n; k += 8) {
+    for (int l = 0; l < 8; ++l) acc[l] += double(x[k + l]) * double(x[k + l]);
+  }
+  for (; k < n; ++k) acc[0] += double(x[k]) * double(x[k]);
+  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+// Runs fn(matrix, begin, end) over element ranges of every matrix of a chunk, in parallel.
+template <typename Fn>
+void for_each_matrix_range(int64_t matrices, int64_t matrix_numel, const Fn& fn) {
+  const int64_t items_per_matrix = (matrix_numel + kWorkItem - 1) / kWorkItem;
+  at::parallel_for(0, matrices * items_per_matrix, 1, [&](int64_t first, int64_t last) {
+    for (int64_t item = first; item < last; ++item) {
+      const int64_t j = item / items_per_matrix;
+      const int64_t begin = (item % items_per_matrix) * kWorkItem;
+      fn(j, begin, std::min(begin + kWorkItem, matrix_numel));
+    }
+  });
+}
+
+// Pre-pass: momentum + Nesterov into the workspace, then X = u / (||u|| * 1.02 + 1e-6).
+void momentum_and_scale(const MuonBucket& b, const MuonStepOptions& o, const std::vector<MatrixRef>& mats,
+                        float inv_scale, at::Tensor& x) {
+  const int64_t n = b.matrix_numel();
+  const int64_t items_per_matrix = (n + kWorkItem - 1) / kWorkItem;
+  const int64_t count = static_cast<int64_t>(mats.size());
+  // Per-item partial sums, combined in item order: deterministic for any thread count.
+  std::vector<double> partial(count * items_per_matrix, 0.0);
+  float* xs = x.data_ptr<float>();
+  const float mu = o.hyper.momentum;
+  const bool nesterov = o.hyper.nesterov;
+  dispatch_storage(scalar_kind(b.grads[0]), [&](auto grad_storage) {
+    constexpr ScalarKind G = decltype(grad_storage)::value;
+    for_each_matrix_range(count, n, [&](int64_t j, int64_t begin, int64_t end) {
+      const int64_t offset = mats[j].index * n;
+      const void* grad = b.grads[mats[j].param].const_data_ptr();
+      float* mom = b.momentum_buffers[mats[j].param].data_ptr<float>() + offset;
+      float* out = xs + j * n;
+      for (int64_t k = begin; k < end; ++k) {
+        out[k] = muon_momentum(mom[k], load_scalar<G>(grad, offset + k) * inv_scale, mu, nesterov);
+      }
+      partial[j * items_per_matrix + begin / kWorkItem] = sum_of_squares(out + begin, end - begin);
+    });
+  });
+  for_each_matrix_range(count, n, [&](int64_t j, int64_t begin, int64_t end) {
+    double sum = 0.0;
+    for (int64_t i = 0; i < items_per_matrix; ++i) sum += partial[j * items_per_matrix + i];
+    const float scale = polar_input_scale(static_cast<float>(sum));
+    float* out = xs + j * n;
+    for (int64_t k = begin; k < end; ++k) out[k] = out[k] * scale;
+  });
+}
+
+// Polar-Express iterations, FP32, one matrix at a time (see the file comment).
+// Two X buffers are swapped between iterations; the result lands in `x`.
+void polar_express(at::Tensor& x, const std::vector<std::array<float, 3>>& coefficients, int64_t rows,
+                   int64_t cols) {
+  if (coefficients.empty()) return;
+  const int64_t side = std::min(rows, cols);
+  const bool wide = rows <= cols;
+  at::Tensor gram = at::empty({side, side}, x.options());
+  at::Tensor poly = at::empty({side, side}, x.options());
+  at::Tensor spare = at::empty({rows, cols}, x.options());
+  for (int64_t j = 0; j < x.size(0); ++j) {
+    at::Tensor home = x.select(0, j);
+    at::Tensor cur = home, next = spare;
+    for (const auto& abc : coefficients) {
+      if (wide) {
+        at::mm_out(gram, cur, cur.t());                     // A = X X^T
+        at::addmm_out(poly, gram, gram, gram, abc[1], abc[2]);  // B = b A + c A A
+        at::addmm_out(next, cur, poly, cur, abc[0], 1.0);   // X = a X + B X
+      } else {
+        at::mm_out(gram, cur.t(), cur);                     // A = X^T X
+        at::addmm_out(poly, gram, gram, gram, abc[1], abc[2]);
+        at::addmm_out(next, cur, cur, poly, abc[0], 1.0);   // X = a X + X B
+      }
+      std::swap(cur, next);
+    }
+    if (!cur.is_same(home)) home.copy_(cur);
+  }
+}
+
+// NorMuon: per-row (rows >= cols) or per-column multipliers, updating the
+// second-moment state.  mult is [count, stat_length].
+void normuon_multipliers(const MuonBucket& b, const MuonStepOptions& o, const std::vector<MatrixRef>& mats,
+                         const at::Tensor& x, std::vector<float>& mult) {
+  const int64_t rows = b.rows, cols = b.cols, len = b.stat_length(), red = b.reduced_length();
+  const bool per_row = rows >= cols;
+  const float* xs = x.const_data_ptr<float>();
+  at::parallel_for(0, static_cast<int64_t>(mats.size()), 1, [&](int64_t first, int64_t last) {
+    std::vector<double> sums(len);
+    for (int64_t j = first; j < last; ++j) {
+      const float* xm = xs + j * rows * cols;
+      if (per_row) {
+        for (int64_t r = 0; r < rows; ++r) sums[r] = sum_of_squares(xm + r * cols, cols);
+      } else {
+        std::fill(sums.begin(), sums.end(), 0.0);
+        for (int64_t r = 0; r < rows; ++r) {
+          const float* row = xm + r * cols;
+          for (int64_t c = 0; c < cols; ++c) sums[c] += double(row[c]) * double(row[c]);
+        }
+      }
+      float* smb = b.second_momentum_buffers[mats[j].param].data_ptr<float>() + mats[j].index * len;
+      float* out = mult.data() + j * len;
+      float sum_vm = 0.0f, sum_scaled = 0.0f;
+      for (int64_t i = 0; i < len; ++i) {
+        const float vm = normuon_mean_square(static_cast<float>(sums[i]), red);
+        smb[i] = lerp(smb[i], vm, 1.0f - o.hyper.beta2);
+        out[i] = normuon_step_size(smb[i]);
+        sum_vm += vm;
+        sum_scaled += ((vm * float(red)) * out[i]) * out[i];
+      }
+      const float ratio = normuon_norm_ratio(sum_vm, sum_scaled, red);
+      for (int64_t i = 0; i < len; ++i) out[i] = out[i] * ratio;
+    }
+  });
+}
+
+// Apply: x (times its NorMuon multiplier) into the FP32 master, cautious
+// weight decay, then the param (and master / remainder) written back.
+template <ScalarKind P, MasterKind M>
+void apply_range(void* param, void* master, const float* x, const float* mult, bool per_row, int64_t cols,
+                 int64_t offset, int64_t begin, int64_t end, float lr, float lr_wd) {
+  int64_t row = begin / cols, col = begin % cols;  // advanced incrementally: no division per element
+  for (int64_t k = begin; k < end; ++k) {
+    float update = x[k];
+    if (mult != nullptr) update = update * mult[per_row ? row : col];
+    if (++col == cols) {
+      col = 0;
+      ++row;
+    }
+    const int64_t i = offset + k;
+    float p;
+    if constexpr (M == MasterKind::kFP32) {
+      p = static_cast<const float*>(master)[i];
+    } else if constexpr (M == MasterKind::kRemainder) {
+      p = merge_master(static_cast<const uint16_t*>(param)[i], static_cast<const int16_t*>(master)[i]);
+    } else {
+      p = load_scalar<P>(param, i);
+    }
+    p = muon_apply(p, update, lr, lr_wd);
+    if constexpr (M == MasterKind::kRemainder) {
+      const RemainderSplit s = split_master(p);
+      static_cast<uint16_t*>(param)[i] = s.bf16_bits;
+      static_cast<int16_t*>(master)[i] = s.remainder;
+    } else {
+      if constexpr (M == MasterKind::kFP32) static_cast<float*>(master)[i] = p;
+      store_rne<P>(param, i, p);
+    }
+  }
+}
+
+void apply_update(const MuonBucket& b, const std::vector<MatrixRef>& mats, const at::Tensor& x,
+                  const std::vector<float>* mult, float lr, float lr_wd) {
+  const int64_t n = b.matrix_numel(), len = b.stat_length();
+  const bool per_row = b.rows >= b.cols;
+  const float* xs = x.const_data_ptr<float>();
+  dispatch_storage(scalar_kind(b.params[0]), [&](auto param_storage) {
+    constexpr ScalarKind P = decltype(param_storage)::value;
+    auto run = [&](auto master_kind) {
+      constexpr MasterKind M = decltype(master_kind)::value;
+      for_each_matrix_range(static_cast<int64_t>(mats.size()), n, [&](int64_t j, int64_t begin, int64_t end) {
+        const int64_t p = mats[j].param;
+        void* master = b.masters.empty() ? nullptr : b.masters[p].data_ptr();
+        apply_range<P, M>(b.params[p].data_ptr(), master, xs + j * n,
+                          mult != nullptr ? mult->data() + j * len : nullptr, per_row, b.cols,
+                          mats[j].index * n, begin, end, lr, lr_wd);
+      });
+    };
+    switch (b.master_kind) {
+      case MasterKind::kNone: return run(std::integral_constant<MasterKind, MasterKind::kNone>{});
+      case MasterKind::kFP32:
+        if constexpr (P != ScalarKind::kFloat32) return run(std::integral_constant<MasterKind, MasterKind::kFP32>{});
+        break;
+      case MasterKind::kRemainder:
+        if constexpr (P == ScalarKind::kBFloat16) {
+          return run(std::integral_constant<MasterKind, MasterKind::kRemainder>{});
+        }
+        break;
+    }
+    TORCH_CHECK(false, "muon_step: unsupported master kind for this param dtype");
+  });
+}
+
+}  // namespace
+
+void muon_step(const MuonBucket& b, const MuonStepOptions& o) {
+  const int64_t n = b.matrix_numel();
+  std::vector<MatrixRef> all;
+  for (size_t i = 0; i < b.params.size(); ++i) {
+    const int64_t count = n == 0 ? 0 : b.params[i].numel() / n;
+    for (int64_t e = 0; e < count; ++e) all.push_back({static_cast<int64_t>(i), e});
+  }
+  if (all.empty()) return;
+
+  const float inv_scale = o.inv_scale.has_value() ? o.inv_scale->item<float>() : 1.0f;
+  const float lr = (o.lr_tensor.has_value() ? o.lr_tensor->item<float>() : static_cast<float>(o.lr)) * o.lr_factor;
+  const float lr_wd = lr * o.hyper.weight_decay;
+
+  // Scratch per matrix: X, and for Polar-Express A, B (side^2) plus the next X
+  // (shared by the chunk), and the NorMuon multipliers.
+  const int64_t per_matrix_bytes = int64_t(sizeof(float)) * (n + b.stat_length());
+  const int64_t chunk = std::max<int64_t>(1, o.max_workspace_bytes / std::max<int64_t>(per_matrix_bytes, 1));
+  const int64_t total = static_cast<int64_t>(all.size());
+  at::Tensor workspace = at::empty({std::min(chunk, total), b.rows, b.cols}, b.params[0].options().dtype(at::kFloat));
+  std::vector<float> mult;
+  for (int64_t first = 0; first < total; first += chunk) {
+    const std::vector<MatrixRef> mats(all.begin() + first, all.begin() + std::min(first + chunk, total));
+    at::Tensor x = workspace.narrow(0, 0, static_cast<int64_t>(mats.size()));
+    momentum_and_scale(b, o, mats, inv_scale, x);
+    polar_express(x, o.coefficients, b.rows, b.cols);
+    if (o.hyper.normuon) {
+      mult.assign(mats.size() * b.stat_length(), 0.0f);
+      normuon_multipliers(b, o, mats, x, mult);
+    }
+    apply_update(b, mats, x, o.hyper.normuon ? &mult : nullptr, lr, lr_wd);
+  }
+}
+
+}  // namespace cpu
+}  // namespace muon_ext

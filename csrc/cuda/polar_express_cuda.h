@@ -1,0 +1,38 @@
+// Batched Polar-Express iterations on a BF16 workspace, with cuBLAS.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/TensorOptions.h>
+
+#include <array>
+#include <cstdint>
+#include <vector>
+
+namespace muon_ext {
+namespace cuda {
+
+// Scratch of polar_express_bf16 for up to `capacity` matrices, allocated once
+// per step and reused by every chunk.  s = min(rows, cols).
+struct PolarExpressWorkspace {
+  at::Tensor x_operand;  // [capacity, rows, cols]: copy of X read by the X GEMM
+  at::Tensor gram;       // [capacity, s, s]: A
+  at::Tensor poly;       // [capacity, s, s]: B = b*A + c*A@A
+};
+
+// Bytes of PolarExpressWorkspace per matrix (X itself not included).
+int64_t polar_express_workspace_bytes(int64_t rows, int64_t cols);
+
+PolarExpressWorkspace make_polar_express_workspace(int64_t capacity, int64_t rows, int64_t cols,
+                                                   const at::TensorOptions& options);
+
+// Runs one iteration per (a, b, c) of `coefficients` on x ([B, rows, cols]
+// BF16, contiguous, B <= capacity), in place, on the current stream:
+//   wide (rows <= cols):  A = X X^T ;  B = b*A + c*A@A ;  X = a*X + B@X
+//   tall (rows >  cols):  A = X^T X ;  B = b*A + c*A@A ;  X = a*X + X@B
+// Each GEMM multiplies BF16 operands with FP32 accumulation and rounds its
+// output (including the alpha/beta combination) to BF16 once.
+void polar_express_bf16(const at::Tensor& x, const std::vector<std::array<float, 3>>& coefficients,
+                        const PolarExpressWorkspace& workspace);
+
+}  // namespace cuda
+}  // namespace muon_ext

@@ -1,0 +1,112 @@
+"""MuonAdamW checkpoints: torch's state-dict layout with FP32 masters.
+
+Saving stores every master as an FP32 tensor, whatever the master mode, so a
+checkpoint loads into any configuration. Loading validates the whole state dict
+before writing anything, keeps FP32 state FP32 (torch's default load casts
+floating state to the param dtype), rewrites each low-precision param from its
+loaded master, and accepts TransformerEngine-style int16 remainders.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Dict, List
+
+import torch
+
+from . import ops
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .optimizer import MuonAdamW
+
+_FP32_STATE = ("exp_avg", "exp_avg_sq", "momentum_buffer", "second_momentum_buffer")
+
+
+def optimizer_state_dict(opt: "MuonAdamW") -> dict:
+    index = {}
+    groups = []
+    for group in opt.param_groups:
+        packed = {k: v for k, v in group.items() if k != "params"}
+        packed["params"] = [index.setdefault(id(p), len(index)) for p in group["params"]]
+        groups.append(packed)
+    state = {}
+    for group in opt.param_groups:
+        for p in group["params"]:
+            entry = dict(opt.state[p])
+            if "master_param" in entry:
+                entry["master_param"] = opt.get_full_parameter_master(p)
+            state[index[id(p)]] = entry
+    return {"state": state, "param_groups": groups}
+
+
+def load_optimizer_state(opt: "MuonAdamW", state_dict: dict) -> None:
+    saved_groups = state_dict.get("param_groups")
+    saved_state = state_dict.get("state")
+    if not isinstance(saved_groups, list) or not isinstance(saved_state, dict):
+        raise ValueError("load_state_dict: expected a dict with 'param_groups' (list) and 'state' (dict)")
+    if len(saved_groups) != len(opt.param_groups):
+        raise ValueError(f"load_state_dict: the state dict has {len(saved_groups)} param groups, "
+                         f"the optimizer {len(opt.param_groups)}")
+    plan: List[tuple] = []  # (param, saved entry)
+    for gi, (saved, group) in enumerate(zip(saved_groups, opt.param_groups)):
+        if len(saved.get("params", [])) != len(group["params"]):
+            raise ValueError(f"load_state_dict: param group {gi} has {len(saved.get('params', []))} params in the "
+                             f"state dict and {len(group['params'])} in the optimizer")
+        if saved.get("kind", group["kind"]) != group["kind"]:
+            raise ValueError(f"load_state_dict: param group {gi} is '{saved.get('kind')}' in the state dict and "
+                             f"'{group['kind']}' in the optimizer")
+        for p, key in zip(group["params"], saved["params"]):
+            entry = saved_state.get(key, {})
+            _check_entry(opt, p, entry)
+            plan.append((p, entry))
+
+    for saved, group in zip(saved_groups, opt.param_groups):
+        group.update({k: v for k, v in saved.items() if k != "params"})
+    for p, entry in plan:
+        _load_entry(opt, p, entry)
+
+
+def _check_entry(opt: "MuonAdamW", p: torch.Tensor, entry: Dict) -> None:
+    info = opt._param_info(p)
+    state = opt.state[p]
+    for key, value in entry.items():
+        where = f"load_state_dict: {info.name}, state '{key}'"
+        if key == "step":
+            if not isinstance(value, (int, float, torch.Tensor)) or (isinstance(value, torch.Tensor) and value.numel() != 1):
+                raise ValueError(f"{where}: expected a number or a one-element tensor")
+            continue
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{where}: expected a tensor, got {type(value).__name__}")
+        if key == "master_param":
+            int16_ok = value.dtype == torch.int16 and p.dtype == torch.bfloat16
+            if value.dtype != torch.float32 and not int16_ok:
+                raise TypeError(f"{where}: expected float32 (or int16 remainders for bfloat16 params), got {value.dtype}")
+            expected = tuple(p.shape)
+        elif key in _FP32_STATE:
+            if not value.dtype.is_floating_point:
+                raise TypeError(f"{where}: expected a floating tensor, got {value.dtype}")
+            expected = tuple(state[key].shape) if key in state else None
+        else:
+            continue  # unknown extra state is kept as is
+        if expected is not None and tuple(value.shape) != expected:
+            raise ValueError(f"{where}: shape {tuple(value.shape)}, expected {expected}")
+
+
+def _load_entry(opt: "MuonAdamW", p: torch.Tensor, entry: Dict) -> None:
+    info = opt._param_info(p)
+    opt._init_state(info)
+    state = opt.state[p]
+    for key, value in entry.items():
+        if key == "master_param":
+            continue
+        if key == "step" and "step" in state:
+            state["step"].fill_(float(value))
+        elif key in state and isinstance(value, torch.Tensor):
+            state[key].copy_(value)  # keeps our dtype (FP32) and device
+        elif key not in ("step",):
+            state[key] = value.to(p.device) if isinstance(value, torch.Tensor) else value
+    master = entry.get("master_param")
+    if master is None:
+        master = p.detach().float()  # no saved master: the (loaded) param is the master
+    elif master.dtype == torch.int16:
+        master = ops.merge_master(p.detach(), master.to(p.device).contiguous())
+    opt._write_master(info, master.to(device=p.device, dtype=torch.float32).contiguous())

@@ -1,0 +1,430 @@
+"""MuonAdamW: Muon for hidden matrices, AdamW for everything else, with exact
+FP32 master weights (FP32 params, FP32 master tensors or BF16 + int16 remainders).
+
+Params are bucketed once by (group, device, dtype, master mode, Muon matrix
+shape); a step is one multi-tensor kernel call per bucket (see DESIGN.md, "Data
+flow of one step"). State is per param and created at construction, so every
+rank of a distributed job holds the same keys.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from . import ops
+from .checkpoint import load_optimizer_state, optimizer_state_dict
+
+__all__ = ["MuonAdamW", "MUON_DEFAULTS", "ADAMW_DEFAULTS"]
+
+MUON_DEFAULTS = {
+    "lr": 1e-3,
+    "weight_decay": 0.1,
+    "momentum": 0.95,
+    "nesterov": True,
+    "beta2": 0.95,
+    "ns_steps": 5,
+    "ns_coefficients": ops.POLAR_EXPRESS_COEFFICIENTS,
+    "lr_scale": "original",
+    "matrix_view": "error",
+}
+ADAMW_DEFAULTS = {
+    "lr": 1e-3,
+    "betas": (0.9, 0.999),
+    "eps": 1e-8,
+    "weight_decay": 0.01,
+    "adam_w_mode": True,
+    "bias_correction": True,
+}
+_DEFAULTS = {"muon": MUON_DEFAULTS, "adamw": ADAMW_DEFAULTS}
+_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass
+class _ParamInfo:
+    """How the optimizer treats one param (fixed at construction)."""
+
+    param: torch.nn.Parameter
+    group: int
+    index: int  # position within its group
+    kind: str  # "muon" | "adamw"
+    master: str  # "none" | "fp32" | "remainder"
+    name: str  # for messages
+
+
+@dataclass
+class _Bucket:
+    group: int
+    kind: str
+    params: List[torch.nn.Parameter]
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """Muon + AdamW over seed-schema param groups (see DESIGN.md, "Public Python API").
+
+    Args:
+        params: groups `{"params": [...], "kind": "muon" | "adamw", ...}`; missing
+            keys get MUON_DEFAULTS / ADAMW_DEFAULTS, unknown extra keys are kept.
+        master_weights: "auto" / True give BF16 and FP16 params an FP32 master;
+            False updates them directly (FP32 math, round-to-nearest-even).
+        store_param_remainders: keep BF16 masters as int16 remainders (2 bytes
+            per param instead of 4) rather than FP32 tensors.
+        grad_attr: "grad", or "main_grad" for Megatron-style FP32 main grads.
+        max_workspace_bytes: bound on Muon's transient scratch per chunk.
+    Works with torch.amp.GradScaler: grads are unscaled in the kernels and a
+    found inf skips the whole step.
+    """
+
+    _step_supports_amp_scaling = True
+
+    def __init__(
+        self,
+        params,
+        *,
+        master_weights="auto",
+        store_param_remainders: bool = True,
+        grad_attr: str = "grad",
+        max_workspace_bytes: int = ops.DEFAULT_MAX_WORKSPACE_BYTES,
+    ):
+        if master_weights not in ("auto", True, False):
+            raise ValueError(f"master_weights must be 'auto', True or False, got {master_weights!r}")
+        if grad_attr not in ("grad", "main_grad"):
+            raise ValueError(f"grad_attr must be 'grad' or 'main_grad', got {grad_attr!r}")
+        if max_workspace_bytes <= 0:
+            raise ValueError(f"max_workspace_bytes must be positive, got {max_workspace_bytes}")
+        self.master_weights = master_weights
+        self.store_param_remainders = bool(store_param_remainders)
+        self.grad_attr = grad_attr
+        self.max_workspace_bytes = int(max_workspace_bytes)
+        self._info: Dict[int, _ParamInfo] = {}
+        self._buckets: Optional[List[_Bucket]] = None
+        if isinstance(params, torch.Tensor):
+            raise TypeError("params must be an iterable of param groups, not a tensor")
+        groups = list(params)
+        if not groups or not all(isinstance(g, dict) for g in groups):
+            raise TypeError("MuonAdamW takes a list of param groups with a 'kind' each; "
+                            "muon_ext.param_groups(model) builds them")
+        super().__init__(groups, defaults={})
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state.update(master_weights=self.master_weights, store_param_remainders=self.store_param_remainders,
+                     grad_attr=self.grad_attr, max_workspace_bytes=self.max_workspace_bytes)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        """After copy.deepcopy / unpickling: the per-param table is keyed by id, so rebuild it."""
+        super().__setstate__(state)
+        self._buckets = None
+        self._info = {}
+        for index, group in enumerate(self.param_groups):
+            names = list(group.get("param_names", [])) or [None] * len(group["params"])
+            for i, (p, name) in enumerate(zip(group["params"], names)):
+                label = f"param group {index} ({group['kind']}), param {i}" + (f" '{name}'" if name else "")
+                self._info[id(p)] = _ParamInfo(p, index, i, group["kind"], self._master_mode(p), label)
+
+    # ------------------------------------------------------------------
+    # Groups and state
+    # ------------------------------------------------------------------
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Validate a group, fill its defaults, create its state; re-buckets."""
+        index = len(self.param_groups)
+        group = dict(param_group)
+        kind = group.get("kind")
+        if kind not in _DEFAULTS:
+            raise ValueError(f"param group {index}: unknown kind {kind!r}; expected 'muon' or 'adamw'")
+        params = group.get("params")
+        params = [params] if isinstance(params, torch.Tensor) else list(params or [])
+        names = list(group.get("param_names", [])) or [None] * len(params)
+        if len(names) != len(params):
+            raise ValueError(f"param group {index}: {len(names)} param_names for {len(params)} params")
+        for key, value in _DEFAULTS[kind].items():
+            group.setdefault(key, value)
+        group["params"] = params
+        self._check_group(index, group, names)
+
+        infos = []
+        for i, (p, name) in enumerate(zip(params, names)):
+            label = f"param group {index} ({kind}), param {i}" + (f" '{name}'" if name else "")
+            infos.append(_ParamInfo(p, index, i, kind, self._master_mode(p), label))
+        self.param_groups.append(group)
+        for info in infos:
+            self._info[id(info.param)] = info
+            self._init_state(info)
+        self._buckets = None
+
+    def _check_group(self, index: int, group: dict, names) -> None:
+        kind = group["kind"]
+        if kind == "muon":
+            if group["matrix_view"] not in ("error", "flatten", "batch"):
+                raise ValueError(f"param group {index}: matrix_view must be 'error', 'flatten' or 'batch', "
+                                 f"got {group['matrix_view']!r}")
+            if group["lr_scale"] not in ("original", "match_rms_adamw", "none"):
+                raise ValueError(f"param group {index}: unknown lr_scale {group['lr_scale']!r}")
+            if group["ns_steps"] > len(group["ns_coefficients"]):
+                raise ValueError(f"param group {index}: ns_steps={group['ns_steps']} but only "
+                                 f"{len(group['ns_coefficients'])} coefficient tuples")
+        seen = set()
+        for i, p in enumerate(group["params"]):
+            label = f"param group {index} ({kind}), param {i}" + (f" '{names[i]}'" if names[i] else "")
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"{label}: expected a tensor, got {type(p).__name__}")
+            if id(p) in self._info or id(p) in seen:
+                raise ValueError(f"{label} appears in more than one param group (or twice in one)")
+            seen.add(id(p))
+            _check_param_type(p, label)
+            if not p.is_leaf:
+                raise ValueError(f"{label}: can't optimize a non-leaf tensor")
+            if not p.is_contiguous():
+                raise ValueError(f"{label}: params must be contiguous")
+            if kind == "muon":
+                _matrix_shape(p, group["matrix_view"], label)
+
+    def _master_mode(self, p: torch.Tensor) -> str:
+        if p.dtype == torch.float32 or self.master_weights is False:
+            return "none"
+        if p.dtype == torch.bfloat16 and self.store_param_remainders:
+            return "remainder"
+        return "fp32"
+
+    def _init_state(self, info: _ParamInfo) -> None:
+        """Create the param's state (missing entries only)."""
+        p, state = info.param, self.state[info.param]
+        group = self.param_groups[info.group]
+        zeros = lambda shape: torch.zeros(shape, dtype=torch.float32, device=p.device)  # noqa: E731
+        if info.kind == "adamw":
+            state.setdefault("step", zeros(()))
+            state.setdefault("exp_avg", zeros(p.shape))
+            state.setdefault("exp_avg_sq", zeros(p.shape))
+        else:
+            state.setdefault("momentum_buffer", zeros(p.shape))
+            if group["beta2"] is not None:
+                state.setdefault("second_momentum_buffer", zeros(_second_moment_shape(p, group["matrix_view"])))
+        if info.master == "remainder":
+            state.setdefault("master_param", torch.zeros(p.shape, dtype=torch.int16, device=p.device))
+        elif info.master == "fp32":
+            state.setdefault("master_param", p.detach().float().clone())
+
+    def _param_info(self, param) -> _ParamInfo:
+        info = self._info.get(id(param))
+        if info is None or info.param is not param:
+            raise ValueError("param is not a parameter of this optimizer (pass the very nn.Parameter given to it, "
+                             "not param.data or a view)")
+        return info
+
+    # ------------------------------------------------------------------
+    # Step
+    # ------------------------------------------------------------------
+
+    def _get_buckets(self) -> List[_Bucket]:
+        if self._buckets is None:
+            buckets: Dict[Tuple, _Bucket] = {}
+            for info in self._info.values():
+                p, group = info.param, self.param_groups[info.group]
+                shape = _matrix_shape(p, group["matrix_view"], info.name) if info.kind == "muon" else None
+                key = (info.group, p.device, p.dtype, info.master, shape)
+                buckets.setdefault(key, _Bucket(info.group, info.kind, [])).params.append(p)
+            self._buckets = list(buckets.values())
+        return self._buckets
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None):
+        """One optimizer step over every param that has a gradient."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        scalers = _GradScalerInputs(getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
+        for bucket in self._get_buckets():
+            group = self.param_groups[bucket.group]
+            by_grad_dtype: Dict[torch.dtype, List[Tuple[torch.Tensor, torch.Tensor]]] = {}
+            for p in bucket.params:
+                grad = getattr(p, self.grad_attr, None)
+                if grad is not None:
+                    by_grad_dtype.setdefault(grad.dtype, []).append((p, grad if grad.is_contiguous() else grad.contiguous()))
+            for pairs in by_grad_dtype.values():
+                params = [p for p, _ in pairs]
+                grads = [g for _, g in pairs]
+                inv_scale, found_inf = scalers.on(params[0].device)
+                if bucket.kind == "adamw":
+                    self._step_adamw(group, params, grads, inv_scale, found_inf)
+                else:
+                    self._step_muon(group, params, grads, inv_scale, found_inf)
+                torch.autograd.graph.increment_version(params)
+        return loss
+
+    def _masters(self, params) -> List[torch.Tensor]:
+        return [self.state[p]["master_param"] for p in params if "master_param" in self.state[p]]
+
+    def _step_adamw(self, group, params, grads, inv_scale, found_inf) -> None:
+        states = [self.state[p] for p in params]
+        beta1, beta2 = group["betas"]
+        ops.adamw_step(
+            params, grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+            [s["step"] for s in states], masters=self._masters(params), lr=group["lr"], beta1=beta1, beta2=beta2,
+            eps=group["eps"], weight_decay=group["weight_decay"], adam_w_mode=group["adam_w_mode"],
+            bias_correction=group["bias_correction"], inv_scale=inv_scale, found_inf=found_inf,
+        )
+
+    def _step_muon(self, group, params, grads, inv_scale, found_inf) -> None:
+        view = group["matrix_view"]
+        if group["beta2"] is not None and any("second_momentum_buffer" not in self.state[p] for p in params):
+            for p in params:  # beta2 was switched on after construction
+                self._init_state(self._info[id(p)])
+        states = [self.state[p] for p in params]
+        as_matrices = lambda t: _as_matrices(t, view)  # noqa: E731
+        ops.muon_step(
+            [as_matrices(p) for p in params], [as_matrices(g) for g in grads],
+            [as_matrices(s["momentum_buffer"]) for s in states],
+            [s["second_momentum_buffer"] for s in states] if group["beta2"] is not None else [],
+            masters=[as_matrices(m) for m in self._masters(params)], lr=group["lr"], momentum=group["momentum"],
+            nesterov=group["nesterov"], beta2=group["beta2"], weight_decay=group["weight_decay"],
+            ns_steps=group["ns_steps"], ns_coefficients=group["ns_coefficients"], lr_scale=group["lr_scale"],
+            inv_scale=inv_scale, found_inf=found_inf, max_workspace_bytes=self.max_workspace_bytes,
+        )
+
+    # ------------------------------------------------------------------
+    # Masters
+    # ------------------------------------------------------------------
+
+    @torch.no_grad()
+    def update_param(self, param: torch.nn.Parameter, values: torch.Tensor) -> None:
+        """Set a parameter and its master weights to `values`.
+
+        `values` are FP32 with the param's full shape (any layout or device).
+        The param is written as the master mode stores it (remainder split for
+        BF16 + remainders, round-to-nearest-even otherwise). Moments and step
+        counts are kept (created if absent). Everything is validated before
+        anything is written. Not allowed during CUDA graph capture.
+        """
+        info = self._param_info(param)
+        if not isinstance(values, torch.Tensor):
+            raise TypeError(f"update_param: values must be a tensor, got {type(values).__name__}")
+        if _is_dtensor(values):
+            raise TypeError("update_param: DTensor values are not supported (this optimizer has no DTensor params)")
+        if values.dtype != torch.float32:
+            raise TypeError(f"update_param: values must be float32, got {values.dtype}")
+        if tuple(values.shape) != tuple(param.shape):
+            raise ValueError(f"update_param: values have shape {tuple(values.shape)} but {info.name} has shape "
+                             f"{tuple(param.shape)}")
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("update_param: not allowed during CUDA graph capture")
+        self._init_state(info)
+        self._write_master(info, values.detach().to(param.device).contiguous())
+
+    def _write_master(self, info: _ParamInfo, master: torch.Tensor) -> None:
+        """Write an FP32 master (contiguous, on the param's device) into param and state."""
+        p = info.param
+        if info.master == "remainder":
+            ops.split_master(master, p.data, self.state[p]["master_param"])
+        else:
+            if info.master == "fp32":
+                self.state[p]["master_param"].copy_(master)
+            p.data.copy_(master)  # copy_ rounds to nearest even for 16-bit params
+        torch.autograd.graph.increment_version(p)
+
+    def get_full_parameter_master(self, param: torch.nn.Parameter) -> Optional[torch.Tensor]:
+        """A new FP32 tensor holding the param's full master weights.
+
+        Reconstructed from remainders where they are used; the param's values
+        for params without a separate master. Raises for params this optimizer
+        does not own.
+        """
+        info = self._param_info(param)
+        state = self.state[param]
+        if info.master == "remainder":
+            return ops.merge_master(param.detach(), state["master_param"])
+        if info.master == "fp32":
+            return state["master_param"].detach().clone()
+        return param.detach().float().clone()
+
+    # ------------------------------------------------------------------
+    # Checkpoints
+    # ------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """torch's layout, with every master stored as an FP32 tensor (portable
+        between remainder and non-remainder configurations)."""
+        return optimizer_state_dict(self)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a state dict saved by MuonAdamW (any master configuration) or
+        with TransformerEngine-style int16 `master_param` remainders.
+
+        Validates everything first. Params are rewritten from their loaded FP32
+        masters (remainders re-derived), FP32 moments stay FP32.
+        """
+        load_optimizer_state(self, state_dict)
+        self._buckets = None
+
+
+class _GradScalerInputs:
+    """inv_scale and found_inf from torch.amp.GradScaler, per device, without host syncs."""
+
+    def __init__(self, grad_scale: Optional[torch.Tensor], found_inf: Optional[torch.Tensor]):
+        self.grad_scale, self.found_inf = grad_scale, found_inf
+        self.cache: Dict[torch.device, Tuple] = {}
+
+    def on(self, device: torch.device):
+        if device not in self.cache:
+            inv = None
+            if self.grad_scale is not None:
+                inv = self.grad_scale.to(device, non_blocking=True).double().reciprocal().float().reshape(1)
+            found = None if self.found_inf is None else self.found_inf.to(device, non_blocking=True).float().reshape(1)
+            self.cache[device] = (inv, found)
+        return self.cache[device]
+
+
+def _is_dtensor(t) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def _check_param_type(p: torch.Tensor, label: str) -> None:
+    if _is_dtensor(p):
+        raise TypeError(f"{label} is a DTensor: sharded params are not supported yet (Muon on a local shard "
+                        "would be silently wrong)")
+    if not p.dtype.is_floating_point:
+        raise TypeError(f"{label} has non-floating dtype {p.dtype}")
+    if p.dtype not in _SUPPORTED_DTYPES:
+        reason = "FP8 / quantized params are not supported yet" if p.element_size() == 1 else "unsupported dtype"
+        raise TypeError(f"{label} has dtype {p.dtype}: {reason}; supported: float32, bfloat16, float16")
+    base = p.data if isinstance(p, torch.nn.Parameter) else p
+    if type(base) is not torch.Tensor:
+        raise TypeError(f"{label} is a {type(base).__name__}: tensor subclasses (quantized params) are not "
+                        "supported yet")
+
+
+def _matrix_shape(p: torch.Tensor, view: str, label: str) -> Tuple[int, int]:
+    """(rows, cols) of the matrices a Muon param is made of, by matrix_view."""
+    if p.dim() == 2:
+        return tuple(p.shape)
+    if p.dim() < 2:
+        raise ValueError(f"{label} has shape {tuple(p.shape)}: Muon needs matrices (rank >= 2); "
+                         "put vectors and scalars in an 'adamw' group")
+    if view == "flatten":
+        return (p.shape[0], math.prod(p.shape[1:]))
+    if view == "batch":
+        return tuple(p.shape[-2:])
+    raise ValueError(f"{label} has rank {p.dim()} (shape {tuple(p.shape)}): set the group's matrix_view to "
+                     "'flatten' (view(shape[0], -1)) or 'batch' (leading dims index matrices)")
+
+
+def _as_matrices(t: torch.Tensor, view: str) -> torch.Tensor:
+    """The kernel's view of a Muon param-shaped tensor: [..., rows, cols]."""
+    if t.dim() > 2 and view == "flatten":
+        return t.view(t.shape[0], -1)
+    return t
+
+
+def _second_moment_shape(p: torch.Tensor, view: str) -> Tuple[int, ...]:
+    rows, cols = _matrix_shape(p, view, "")
+    lead = tuple(p.shape[:-2]) if (p.dim() > 2 and view == "batch") else ()
+    return lead + ((rows, 1) if rows >= cols else (1, cols))

@@ -1,0 +1,188 @@
+"""The Muon kernel (CPU) against muon_ext.reference, and its invariances."""
+
+import pytest
+import torch
+
+from helpers import assert_bit_equal, fp32_master
+from muon_ext import ops, reference
+from muon_helpers import make_muon_grads, make_muon_set
+
+SHAPES_BY_KIND = {
+    "wide": [(32, 64)] * 3,
+    "tall": [(64, 32)] * 3,
+    "square": [(48, 48)] * 2,
+    "odd": [(3, 5)] * 4,
+    "one": [(1, 1)] * 2,
+    "odd_tall": [(257, 129)],
+    "batched_16": [(16, 8, 12)],
+}
+MODES = ["fp32", "bf16_remainder", "bf16_fp32_master", "fp16_fp32_master", "bf16_direct"]
+
+
+def _step_both(shapes, mode="fp32", steps=3, grad_dtype=torch.float32, **hyper):
+    ours, ref = make_muon_set(shapes, mode, normuon=hyper.get("beta2", 0.95) is not None), None
+    ref = ours.clone()
+    for k in range(steps):
+        grads = make_muon_grads(shapes, grad_dtype, seed=k)
+        ops.muon_step(*ours.args(grads), **ours.kwargs(), **hyper)
+        reference.muon_step(*ref.args(grads), **ref.kwargs(), **hyper)
+    return ours, ref
+
+
+def _master(s, i):
+    return fp32_master(s, i) if s.masters else s.params[i].float()
+
+
+@pytest.mark.parametrize("kind", list(SHAPES_BY_KIND))
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_pre_and_post_passes_match_reference_without_polar_express(kind, nesterov):
+    """ns_steps=0 leaves momentum, scaling, NorMuon and the cautious update:
+    FP32 elementwise math, equal to the reference up to the summation order of
+    the norms (measured max |diff| <= 1 ulp of the update; allowed 2e-6 rel)."""
+    shapes = SHAPES_BY_KIND[kind]
+    ours, ref = _step_both(shapes, ns_steps=0, lr=0.02, nesterov=nesterov, weight_decay=0.1)
+    for i in range(len(shapes)):
+        assert_bit_equal(ours.momentum_buffers[i], ref.momentum_buffers[i], f"momentum[{i}]")
+        torch.testing.assert_close(ours.second_momentum_buffers[i], ref.second_momentum_buffers[i],
+                                   rtol=2e-6, atol=0)
+        torch.testing.assert_close(ours.params[i], ref.params[i], rtol=2e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("kind", list(SHAPES_BY_KIND))
+@pytest.mark.parametrize("beta2", [0.95, None])
+def test_full_step_matches_fp32_reference(kind, beta2):
+    """Polar-Express in FP32 on both sides; GEMM accumulation order differs.
+
+    Measured: max |param diff| ~1e-6 after 3 steps of lr 0.02 on params of
+    scale 0.1 (updates ~0.02 per element); allowed 1e-5 absolute."""
+    shapes = SHAPES_BY_KIND[kind]
+    ours, ref = _step_both(shapes, lr=0.02, beta2=beta2)
+    for i in range(len(shapes)):
+        assert_bit_equal(ours.momentum_buffers[i], ref.momentum_buffers[i], f"momentum[{i}]")
+        torch.testing.assert_close(ours.params[i], ref.params[i], rtol=0, atol=1e-5)
+        if beta2 is not None:
+            torch.testing.assert_close(ours.second_momentum_buffers[i], ref.second_momentum_buffers[i],
+                                       rtol=1e-4, atol=1e-9)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_every_master_mode_matches_reference(mode, grad_dtype):
+    shapes = [(24, 40), (24, 40)]
+    ours, ref = _step_both(shapes, mode=mode, grad_dtype=grad_dtype, lr=0.05)
+    for i in range(len(shapes)):
+        torch.testing.assert_close(_master(ours, i), _master(ref, i), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["bf16_remainder", "bf16_fp32_master"])
+def test_fp32_master_trajectory_identical_across_modes(mode):
+    # The update depends on grads and state only, and is applied to the FP32
+    # master in every mode: the masters must follow the FP32 run bit for bit.
+    shapes = [(16, 24), (16, 24)]
+    init = [v.bfloat16().float() for v in make_muon_grads(shapes, seed=9)]
+    fp32, low = make_muon_set(shapes, "fp32", init=init), make_muon_set(shapes, mode, init=init)
+    for k in range(8):
+        grads = make_muon_grads(shapes, seed=k)
+        for s in (fp32, low):
+            ops.muon_step(*s.args(grads), **s.kwargs(), lr=0.05)
+    for i in range(len(shapes)):
+        assert_bit_equal(fp32_master(low, i), fp32.params[i], f"master[{i}]")
+
+
+def test_batched_equals_per_matrix_and_chunked_equals_unchunked():
+    shapes = [(20, 36)] * 6
+    grads_seq = [make_muon_grads(shapes, seed=k) for k in range(3)]
+    bucket = make_muon_set(shapes, "bf16_remainder")
+    singles = [make_muon_set([s], "bf16_remainder", init=[p.float()]) for s, p in zip(shapes, bucket.params)]
+    chunked = bucket.clone()
+    for grads in grads_seq:
+        ops.muon_step(*bucket.args(grads), **bucket.kwargs(), lr=0.05)
+        ops.muon_step(*chunked.args(grads), **chunked.kwargs(), lr=0.05, max_workspace_bytes=2 * 20 * 36 * 4)
+        for s, g in zip(singles, grads):
+            ops.muon_step(*s.args([g]), **s.kwargs(), lr=0.05)
+    for i, single in enumerate(singles):
+        for a, b in zip(single.tensors(), [bucket.params[i], bucket.momentum_buffers[i],
+                                           bucket.second_momentum_buffers[i], bucket.masters[i]]):
+            assert_bit_equal(a[0] if a.dim() > b.dim() else a, b, f"matrix {i}")
+    for a, b in zip(chunked.tensors(), bucket.tensors()):
+        assert_bit_equal(a, b, "chunked")
+
+
+def test_leading_dims_are_separate_matrices():
+    # An [E, rows, cols] param (MoE experts, matrix_view="batch") steps exactly
+    # like E separate [rows, cols] params.
+    experts = make_muon_set([(4, 10, 6)])
+    separate = make_muon_set([(10, 6)] * 4, init=list(experts.params[0].clone().unbind(0)))
+    for k in range(3):
+        g = make_muon_grads([(4, 10, 6)], seed=k)[0]
+        ops.muon_step(*experts.args([g]), lr=0.05)
+        ops.muon_step(*separate.args(list(g.unbind(0))), lr=0.05)
+    assert_bit_equal(experts.params[0], torch.stack(separate.params))
+    assert_bit_equal(experts.second_momentum_buffers[0], torch.stack(separate.second_momentum_buffers))
+
+
+def test_two_runs_give_identical_bits():
+    shapes = [(64, 96)] * 3
+    a, b = make_muon_set(shapes), make_muon_set(shapes)
+    for k in range(2):
+        grads = make_muon_grads(shapes, seed=k)
+        ops.muon_step(*a.args(grads), lr=0.05)
+        ops.muon_step(*b.args(grads), lr=0.05)
+    for x, y in zip(a.tensors(), b.tensors()):
+        assert_bit_equal(x, y)
+
+
+@pytest.mark.parametrize("lr_scale", ["original", "match_rms_adamw", "none"])
+def test_lr_scale_modes(lr_scale):
+    shapes = [(48, 16)]
+    ours, ref = _step_both(shapes, steps=1, lr=0.01, lr_scale=lr_scale, weight_decay=0.0)
+    torch.testing.assert_close(ours.params[0], ref.params[0], rtol=0, atol=1e-6)
+    # The update magnitude scales with the factor.
+    start = make_muon_set(shapes).params[0]
+    none, _ = _step_both(shapes, steps=1, lr=0.01, lr_scale="none", weight_decay=0.0)
+    ratio = (ours.params[0] - start).norm() / (none.params[0] - start).norm()
+    assert ratio.item() == pytest.approx(reference.muon_lr_factor(lr_scale, 48, 16), rel=1e-5)
+
+
+def test_cautious_weight_decay_only_where_update_agrees_with_param():
+    # With lr'=1 and wd=0.5, p' = p - x - 0.5 p [x p >= 0]: check the mask against x = p - p' (no decay).
+    shapes = [(8, 8)]
+    s = make_muon_set(shapes, normuon=False)
+    p0 = s.params[0].clone()
+    g = make_muon_grads(shapes)[0]
+    nodecay = make_muon_set(shapes, normuon=False)
+    ops.muon_step(*nodecay.args([g]), lr=1.0, beta2=None, weight_decay=0.0, lr_scale="none", momentum=0.0)
+    ops.muon_step(*s.args([g]), lr=1.0, beta2=None, weight_decay=0.5, lr_scale="none", momentum=0.0)
+    x = p0 - nodecay.params[0]
+    decayed = (s.params[0] - nodecay.params[0]).abs() > 0
+    assert torch.equal(decayed, (x * p0 >= 0) & (p0 != 0))
+
+
+def test_found_inf_skips_and_inv_scale_unscales():
+    shapes = [(12, 20)] * 2
+    s = make_muon_set(shapes, "bf16_remainder")
+    before = [t.clone() for t in s.tensors()]
+    grads = make_muon_grads(shapes)
+    ops.muon_step(*s.args(grads), **s.kwargs(), lr=0.05, found_inf=torch.tensor([1.0]))
+    for a, b in zip(s.tensors(), before):
+        assert_bit_equal(a, b)
+    scaled = s.clone()
+    ops.muon_step(*s.args(grads), **s.kwargs(), lr=0.05)
+    ops.muon_step(*scaled.args([g * 256 for g in grads]), **scaled.kwargs(), lr=torch.tensor(0.05),
+                  inv_scale=torch.tensor([1 / 256]), found_inf=torch.tensor([0.0]))
+    for a, b in zip(s.tensors(), scaled.tensors()):
+        assert_bit_equal(a, b)
+
+
+def test_custom_coefficients_and_ns_steps():
+    shapes = [(16, 32)]
+    coeffs = [(3.0, -3.2, 1.2)] * 7
+    ours, ref = _step_both(shapes, steps=1, lr=0.02, ns_steps=7, ns_coefficients=coeffs)
+    torch.testing.assert_close(ours.params[0], ref.params[0], rtol=0, atol=1e-5)
+    assert ops.POLAR_EXPRESS_COEFFICIENTS == reference.POLAR_EXPRESS_COEFFICIENTS
+
+
+def test_empty_bucket_and_zero_matrices_are_no_ops():
+    ops.muon_step([], [], [], [], lr=0.1)
+    s = make_muon_set([(0, 4, 6)])
+    ops.muon_step(*s.args([torch.zeros(0, 4, 6)]), lr=0.1)

@@ -1,0 +1,115 @@
+"""The CUDA Muon kernel against the CPU kernel and the BF16 reference twin (GPU only)."""
+
+import pytest
+import torch
+
+from helpers import assert_bit_equal, fp32_master
+from muon_ext import ops, reference
+from muon_helpers import make_muon_grads, make_muon_set
+
+pytestmark = pytest.mark.gpu
+
+SHAPES = {
+    "wide": [(64, 160)] * 5,
+    "tall": [(160, 64)] * 5,
+    "square": [(128, 128)] * 3,
+    "odd": [(3, 5)] * 16,
+    "one": [(1, 1)] * 2,
+    "odd_tall": [(257, 129)] * 2,
+    "experts": [(4, 96, 48)],
+}
+
+
+def _run(shapes, mode, device, steps=3, twin=False, **hyper):
+    s = make_muon_set(shapes, mode).to(device)
+    for k in range(steps):
+        grads = [g.to(device) for g in make_muon_grads(shapes, seed=k)]
+        if twin:
+            reference.muon_step(*s.args(grads), **s.kwargs(), bf16_polar=True, **hyper)
+        else:
+            ops.muon_step(*s.args(grads), **s.kwargs(), **hyper)
+    return s
+
+
+@pytest.mark.parametrize("kind", list(SHAPES))
+@pytest.mark.parametrize("mode", ["fp32", "bf16_remainder", "bf16_fp32_master"])
+def test_cuda_matches_bf16_reference_twin(kind, mode):
+    """BF16 GEMMs on both sides, different accumulation order inside cuBLAS:
+    the updates agree to BF16 noise. The momentum (pure FP32 elementwise math
+    shared with the CPU) must agree bit for bit."""
+    shapes = SHAPES[kind]
+    gpu = _run(shapes, mode, "cuda", lr=0.02)
+    twin = _run(shapes, mode, "cpu", twin=True, lr=0.02)
+    for i in range(len(shapes)):
+        assert_bit_equal(gpu.momentum_buffers[i].cpu(), twin.momentum_buffers[i], f"momentum[{i}]")
+        start = make_muon_set(shapes, mode).params[i].float()
+        delta_gpu = fp32_master(gpu.to("cpu"), i) - start
+        delta_twin = fp32_master(twin, i) - start
+        assert ((delta_gpu - delta_twin).norm() / delta_twin.norm()).item() < 0.05
+
+
+def test_cuda_matches_cpu_kernel_to_bf16_noise():
+    shapes = SHAPES["wide"]
+    gpu = _run(shapes, "fp32", "cuda", lr=0.02)
+    cpu = _run(shapes, "fp32", "cpu", lr=0.02)
+    start = make_muon_set(shapes).params
+    for i in range(len(shapes)):
+        d_gpu, d_cpu = gpu.params[i].cpu() - start[i], cpu.params[i] - start[i]
+        assert ((d_gpu - d_cpu).norm() / d_cpu.norm()).item() < 0.05
+
+
+def test_ns_steps_zero_matches_cpu_closely():
+    # No GEMMs: only the BF16 rounding of the scaled input separates the paths.
+    shapes = SHAPES["tall"]
+    gpu = _run(shapes, "fp32", "cuda", ns_steps=0, lr=0.02)
+    twin = _run(shapes, "fp32", "cpu", twin=True, ns_steps=0, lr=0.02)
+    for i in range(len(shapes)):
+        torch.testing.assert_close(gpu.params[i].cpu(), twin.params[i], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(gpu.second_momentum_buffers[i].cpu(), twin.second_momentum_buffers[i],
+                                   rtol=1e-5, atol=0)
+
+
+def test_two_runs_identical_and_chunking_invisible():
+    shapes = [(96, 200)] * 9
+    a = _run(shapes, "bf16_remainder", "cuda", lr=0.02)
+    b = _run(shapes, "bf16_remainder", "cuda", lr=0.02)
+    c = _run(shapes, "bf16_remainder", "cuda", lr=0.02, max_workspace_bytes=2 * 96 * 200 * 2)
+    for x, y, z in zip(a.tensors(), b.tensors(), c.tensors()):
+        assert_bit_equal(x, y, "rerun")
+        assert_bit_equal(x, z, "chunked")
+
+
+def test_no_host_sync_and_found_inf():
+    shapes = SHAPES["square"]
+    s = make_muon_set(shapes, "bf16_remainder").to("cuda")
+    grads = [g.cuda() for g in make_muon_grads(shapes)]
+    before = [t.clone() for t in s.tensors()]
+    lr = torch.tensor([0.02], device="cuda")
+    found_inf = torch.tensor([1.0], device="cuda")
+    inv_scale = torch.tensor([1.0], device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        ops.muon_step(*s.args(grads), **s.kwargs(), lr=lr, inv_scale=inv_scale, found_inf=found_inf)
+        after_skip = [t.clone() for t in s.tensors()]
+        found_inf.zero_()
+        ops.muon_step(*s.args(grads), **s.kwargs(), lr=lr, inv_scale=inv_scale, found_inf=found_inf)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for a, b in zip(after_skip, before):
+        assert_bit_equal(a, b, "found_inf step")
+    assert not torch.equal(s.params[0], before[0])
+
+
+def test_polar_express_quality_on_gpu():
+    from test_polar_express import CASES, SPECTRAL_DIST_ON_SPAN, SV_MAX, SV_MIN_ABOVE_THRESHOLD, THRESHOLD
+
+    for name, g in CASES.items():
+        p, mom = torch.zeros_like(g).cuda(), torch.zeros_like(g).cuda()
+        ops.muon_step([p], [g.cuda()], [mom], lr=1.0, momentum=0.0, beta2=None, weight_decay=0.0, lr_scale="none")
+        x = -p.double().cpu()
+        u, s, vh = torch.linalg.svd(g.double(), full_matrices=False)
+        keep = s / s.max() > THRESHOLD
+        assert torch.linalg.svdvals(x).max() <= SV_MAX, name
+        assert torch.linalg.svdvals(x @ vh[keep].T).min() >= SV_MIN_ABOVE_THRESHOLD, name
+        assert torch.linalg.matrix_norm((x - u @ vh) @ vh[keep].T, ord=2) <= SPECTRAL_DIST_ON_SPAN, name
