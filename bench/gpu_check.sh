@@ -69,4 +69,5 @@ PYEOF
 rm -f "$OUT/gpu_tests.xml"
 stage bench_adamw 240 "$PY" bench/adamw.py --device cuda --out "$OUT/adamw.json"
 stage bench_muon 300 "$PY" bench/muon.py --device cuda --out "$OUT/muon.json"
+stage bench_step 300 "$PY" bench/step.py --device cuda --out "$OUT/step.json"
 exit 0

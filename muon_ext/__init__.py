@@ -8,7 +8,6 @@ import torch
 
 try:
     from ._build_info import TORCH_VERSION as _BUILT_TORCH_VERSION
-    from ._build_info import WITH_CUDA as _BUILT_WITH_CUDA
 except ImportError as exc:  # pragma: no cover - only in a source tree that was never built
     raise ImportError(
         "muon_ext is not built: install it with `pip install .` (see README.md)"

@@ -54,6 +54,11 @@ def load_optimizer_state(opt: "MuonAdamW", state_dict: dict) -> None:
         if saved.get("kind", group["kind"]) != group["kind"]:
             raise ValueError(f"load_state_dict: param group {gi} is '{saved.get('kind')}' in the state dict and "
                              f"'{group['kind']}' in the optimizer")
+        merged = dict(group, **{k: v for k, v in saved.items() if k != "params"})
+        opt._check_hyper(gi, merged)
+        if merged["kind"] == "muon" and merged["matrix_view"] != group["matrix_view"]:
+            raise ValueError(f"load_state_dict: param group {gi} has matrix_view '{merged['matrix_view']}' in the "
+                             f"state dict and '{group['matrix_view']}' in the optimizer")
         for p, key in zip(group["params"], saved["params"]):
             entry = saved_state.get(key, {})
             _check_entry(opt, p, entry)

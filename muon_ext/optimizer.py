@@ -137,7 +137,9 @@ class MuonAdamW(torch.optim.Optimizer):
         kind = group.get("kind")
         if kind not in _DEFAULTS:
             raise ValueError(f"param group {index}: unknown kind {kind!r}; expected 'muon' or 'adamw'")
-        params = group.get("params")
+        if "params" not in group:
+            raise ValueError(f"param group {index} has no 'params'")
+        params = group["params"]
         params = [params] if isinstance(params, torch.Tensor) else list(params or [])
         names = list(group.get("param_names", [])) or [None] * len(params)
         if len(names) != len(params):
@@ -157,17 +159,23 @@ class MuonAdamW(torch.optim.Optimizer):
             self._init_state(info)
         self._buckets = None
 
+    @staticmethod
+    def _check_hyper(index: int, group: dict) -> None:
+        """Group settings the kernels can't check up front (also run on loaded groups)."""
+        if group["kind"] != "muon":
+            return
+        if group["matrix_view"] not in ("error", "flatten", "batch"):
+            raise ValueError(f"param group {index}: matrix_view must be 'error', 'flatten' or 'batch', "
+                             f"got {group['matrix_view']!r}")
+        if group["lr_scale"] not in ("original", "match_rms_adamw", "none"):
+            raise ValueError(f"param group {index}: unknown lr_scale {group['lr_scale']!r}")
+        if not 0 <= group["ns_steps"] <= len(group["ns_coefficients"]):
+            raise ValueError(f"param group {index}: ns_steps={group['ns_steps']} but only "
+                             f"{len(group['ns_coefficients'])} coefficient tuples")
+
     def _check_group(self, index: int, group: dict, names) -> None:
         kind = group["kind"]
-        if kind == "muon":
-            if group["matrix_view"] not in ("error", "flatten", "batch"):
-                raise ValueError(f"param group {index}: matrix_view must be 'error', 'flatten' or 'batch', "
-                                 f"got {group['matrix_view']!r}")
-            if group["lr_scale"] not in ("original", "match_rms_adamw", "none"):
-                raise ValueError(f"param group {index}: unknown lr_scale {group['lr_scale']!r}")
-            if group["ns_steps"] > len(group["ns_coefficients"]):
-                raise ValueError(f"param group {index}: ns_steps={group['ns_steps']} but only "
-                                 f"{len(group['ns_coefficients'])} coefficient tuples")
+        self._check_hyper(index, group)
         seen = set()
         for i, p in enumerate(group["params"]):
             label = f"param group {index} ({kind}), param {i}" + (f" '{names[i]}'" if names[i] else "")

@@ -106,3 +106,28 @@ def run_python(code: str, env=None, check: bool = False):
     `import muon_ext` finds the installed package, not ./muon_ext."""
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                           cwd=tempfile.gettempdir(), check=check)
+
+
+def optimizer_tensors(opt):
+    """Every tensor an optimizer owns or writes, by name: params and all state."""
+    out = {}
+    for gi, group in enumerate(opt.param_groups):
+        for pi, p in enumerate(group["params"]):
+            out[f"group {gi} param {pi}"] = p
+            for key, value in opt.state[p].items():
+                if isinstance(value, torch.Tensor):
+                    out[f"group {gi} param {pi} {key}"] = value
+    return out
+
+
+def optimizer_snapshot(opt):
+    return {k: bits(v).clone() for k, v in optimizer_tensors(opt).items()}
+
+
+def assert_optimizer_unchanged(opt, snap, skip=()):
+    """Every tensor of `opt` bit-identical to `snap` (but those named in `skip`)."""
+    now = optimizer_tensors(opt)
+    assert now.keys() == snap.keys()
+    for key, t in now.items():
+        if key not in skip:
+            assert torch.equal(bits(t), snap[key]), f"{key} changed"

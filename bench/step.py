@@ -1,0 +1,172 @@
+"""Benchmark: the full MuonAdamW step (Muon for hidden matrices, AdamW for the
+rest) on GPT-like parameter sets, against peers in the same process:
+
+* ours: muon_ext.MuonAdamW on BF16 params with int16 remainders (exact FP32
+  masters), and on FP32 params;
+* the seed's MuonAdamW (../shared/peers; torch.compile on GPU, eager on CPU),
+  one Muon group per shape as it requires, on FP32 params (its state takes the
+  param dtype, so FP32 params are what gives it FP32 masters) and BF16 params;
+* torch.optim.Muon + torch.optim.AdamW(fused=True) as a pair, on FP32 and BF16
+  params.
+
+Reports seconds per step (median), the speedup of ours (BF16 + remainders)
+over each peer, and persistent bytes per parameter counted from the actual
+tensors (params + optimizer state; the seed and torch create state lazily, so
+this is counted after the warmup steps). On GPU it also reports the memory a
+step allocates on top of that (peak during a step) and memory held between
+steps beyond params, grads and state (cached workspaces).
+Usage: python bench/step.py [--device cuda] [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+
+import torch
+
+from common import environment, gpt_shapes, numel, time_fn, write_json
+from muon_ext import MuonAdamW
+from peers import load_seed
+
+MUON_LR, ADAMW_LR, WD = 0.02, 3e-4, 0.1
+
+
+def param_sets(device):
+    if device.type == "cuda":
+        return {"gpt124m_d768_l12": gpt_shapes(768, 12, 50304), "gpt1.3b_d2048_l24": gpt_shapes(2048, 24, 50304)}
+    return {"gpt_d256_l4_v8192": gpt_shapes(256, 4, 8192)}
+
+
+def make_params(shapes, device, dtype, seed):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    params = []
+    for s in shapes:
+        p = torch.nn.Parameter((torch.randn(s, device=device, generator=gen) * 0.02).to(dtype))
+        p.grad = torch.randn(s, device=device, generator=gen).to(dtype)
+        params.append(p)
+    return params
+
+
+def build_ours(sets, device, dtype):
+    hidden, other = make_params(sets["hidden"], device, dtype, 0), make_params(sets["other"], device, dtype, 1)
+    opt = MuonAdamW([{"params": hidden, "kind": "muon", "lr": MUON_LR, "weight_decay": WD},
+                     {"params": other, "kind": "adamw", "lr": ADAMW_LR, "weight_decay": WD}])
+    return hidden + other, [opt]
+
+
+def build_seed(module, sets, device, dtype):
+    hidden, other = make_params(sets["hidden"], device, dtype, 0), make_params(sets["other"], device, dtype, 1)
+    by_shape = {}
+    for p in hidden:
+        by_shape.setdefault(tuple(p.shape), []).append(p)
+    groups = [{"params": ps, "kind": "muon", "lr": MUON_LR, "momentum": 0.95, "weight_decay": WD, "beta2": 0.95,
+               "ns_steps": 5} for ps in by_shape.values()]
+    groups.append({"params": other, "kind": "adamw", "lr": ADAMW_LR, "betas": (0.9, 0.999), "eps": 1e-8,
+                   "weight_decay": WD})
+    return hidden + other, [module.MuonAdamW(groups)]
+
+
+def build_torch(sets, device, dtype):
+    hidden, other = make_params(sets["hidden"], device, dtype, 0), make_params(sets["other"], device, dtype, 1)
+    muon = torch.optim.Muon(hidden, lr=MUON_LR, weight_decay=WD)
+    adamw = torch.optim.AdamW(other, lr=ADAMW_LR, weight_decay=WD, fused=True)
+    return hidden + other, [muon, adamw]
+
+
+def state_bytes(optimizers):
+    """Bytes of every tensor in the optimizers' state (each storage counted once)."""
+    seen, total = set(), 0
+    for opt in optimizers:
+        for state in opt.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    key = (value.untyped_storage().data_ptr(), value.device)
+                    if key not in seen:
+                        seen.add(key)
+                        total += value.untyped_storage().nbytes()
+    return total
+
+
+def measure(name, build, device, warmup, iters):
+    """Seconds per step and bytes per param for one contender; None if it can't run here."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated(device)
+    try:
+        params, optimizers = build()
+    except Exception as exc:  # a peer unavailable on this device / torch
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    n = sum(p.numel() for p in params)
+    param_bytes = sum(p.nbytes for p in params)
+    grad_bytes = sum(p.grad.nbytes for p in params)
+
+    def step():
+        for opt in optimizers:
+            opt.step()
+
+    try:
+        seconds = time_fn(step, device, warmup=warmup, iters=iters)
+    except Exception as exc:  # e.g. a peer out of memory on the largest set
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    s_bytes = state_bytes(optimizers)
+    result = {"seconds": seconds, "numel": n,
+              "persistent_bytes_per_param": (param_bytes + s_bytes) / n,
+              "state_bytes_per_param": s_bytes / n}
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated(device) - base
+        result["held_beyond_params_grads_state_bytes"] = held - param_bytes - grad_bytes - s_bytes
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        step()
+        torch.cuda.synchronize()
+        result["step_peak_extra_bytes"] = torch.cuda.max_memory_allocated(device) - before
+    print(f"  {name}: {seconds * 1e3:.2f} ms/step, {result['persistent_bytes_per_param']:.2f} B/param", flush=True)
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--out", default="bench/results/step.json")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    on_gpu = device.type == "cuda"
+    warmup, iters = (3, 20) if on_gpu else (2, 5)
+    seed = load_seed(compiled=on_gpu)
+
+    results = {"benchmark": "step", "environment": environment(device), "cases": [],
+               "notes": ["ours = muon_ext.MuonAdamW, BF16 params + int16 remainders (exact FP32 masters)",
+                         f"seed: {'torch.compile' if on_gpu else 'eager'}, one Muon group per shape",
+                         "torch: torch.optim.Muon (hidden) + torch.optim.AdamW(fused=True) (rest)",
+                         "bytes per param: params + optimizer state, from the tensors, after warmup",
+                         "speedup_of_ours_bf16_remainder: peer seconds / ours seconds (> 1: ours is faster)",
+                         "on CPU ours orthogonalizes in FP32 (DESIGN); the seed and torch.optim.Muon use BF16 GEMMs"]}
+    if seed is None:
+        results["notes"].append("../shared absent: seed peer skipped")
+    for set_name, sets in param_sets(device).items():
+        print(f"{set_name}: {numel(sets['hidden'])} Muon + {numel(sets['other'])} AdamW params", flush=True)
+        contenders = {
+            "ours_bf16_remainder": lambda: build_ours(sets, device, torch.bfloat16),
+            "ours_fp32": lambda: build_ours(sets, device, torch.float32),
+            "torch_muon_adamw_fused_fp32": lambda: build_torch(sets, device, torch.float32),
+            "torch_muon_adamw_fused_bf16": lambda: build_torch(sets, device, torch.bfloat16),
+        }
+        if seed is not None:
+            contenders["seed_fp32"] = lambda: build_seed(seed, sets, device, torch.float32)
+            contenders["seed_bf16"] = lambda: build_seed(seed, sets, device, torch.bfloat16)
+        measured = {name: measure(name, build, device, warmup, iters) for name, build in contenders.items()}
+        ours = measured["ours_bf16_remainder"]["seconds"]
+        case = {"params": set_name, "muon_numel": numel(sets["hidden"]), "adamw_numel": numel(sets["other"]),
+                "tensors": len(sets["hidden"]) + len(sets["other"]), "contenders": measured,
+                "speedup_of_ours_bf16_remainder": {name: r["seconds"] / ours for name, r in measured.items()
+                                                   if "seconds" in r and name != "ours_bf16_remainder"}}
+        results["cases"].append(case)
+    write_json(args.out, results)
+
+
+if __name__ == "__main__":
+    main()
