@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "bits.h"
 #include "macros.h"
 
 namespace muon_ext {
@@ -73,7 +74,10 @@ MUON_HD float normuon_norm_ratio(float sum_vm, float sum_scaled, int64_t reduced
 // Cautious weight decay and the update on one FP32 master element:
 //   p -= lr * x + lr * wd * p * (x * p >= 0)
 MUON_HD float muon_apply(float p, float x, float lr, float lr_wd) {
-  const float decay = (x * p >= 0.0f) ? lr_wd * p : 0.0f;
+  // (x * p >= 0) ? lr_wd * p : +0, as a bit mask: the condition is a coin flip
+  // per element, and compilers turn the plain select into a mispredicted branch.
+  const uint32_t keep = 0u - uint32_t(x * p >= 0.0f);
+  const float decay = bits_to_float(float_to_bits(lr_wd * p) & keep);
   return p - (lr * x + decay);
 }
 
