@@ -12,7 +12,7 @@ import argparse
 
 import torch
 
-from common import environment, gpt_shapes, numel, time_fn, write_json
+from common import environment, gpt_shapes, numel, time_fn, time_interleaved, write_json
 from muon_ext import ops
 
 # Bytes moved per element by each contender (reads + writes).
@@ -33,16 +33,17 @@ def param_sets(device):
     }
 
 
-def bench_torch(shapes, device, **flags):
+def torch_step(shapes, device, **flags):
+    """One torch.optim.AdamW step over fresh params (fused / foreach by flags)."""
     gen = torch.Generator(device=device).manual_seed(0)
     params = [torch.randn(s, device=device, generator=gen).requires_grad_() for s in shapes]
     for p in params:
         p.grad = torch.randn(p.shape, device=device, generator=gen)
-    opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, **flags)
-    return time_fn(opt.step, device)
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01, **flags).step
 
 
-def bench_ours(shapes, device, mode, grad_dtype=torch.float32):
+def our_step(shapes, device, mode, grad_dtype=torch.float32):
+    """One ops.adamw_step over fresh params: FP32 params, or BF16 + int16 remainders."""
     gen = torch.Generator(device=device).manual_seed(0)
     masters = [torch.randn(s, device=device, generator=gen) for s in shapes]
     if mode == "fp32":
@@ -59,7 +60,7 @@ def bench_ours(shapes, device, mode, grad_dtype=torch.float32):
     def step():
         ops.adamw_step(params, grads, exp_avgs, exp_avg_sqs, steps, masters=extra, lr=lr, weight_decay=0.01)
 
-    return time_fn(step, device)
+    return step
 
 
 def copy_bandwidth(device, nbytes=2**30):
@@ -82,15 +83,18 @@ def main():
         results["copy_bytes_per_s"] = copy_bw
     for name, shapes in param_sets(device).items():
         n = numel(shapes)
-        t_fused = bench_torch(shapes, device, fused=True)
-        t_foreach = bench_torch(shapes, device, foreach=True)
-        t_ours = bench_ours(shapes, device, "fp32")
-        t_rem = bench_ours(shapes, device, "bf16_remainder")
-        t_rem_bf16g = bench_ours(shapes, device, "bf16_remainder", torch.bfloat16)
+        seconds = time_interleaved({
+            "torch_fused": torch_step(shapes, device, fused=True),
+            "torch_foreach": torch_step(shapes, device, foreach=True),
+            "ours_fp32": our_step(shapes, device, "fp32"),
+            "ours_bf16_remainder": our_step(shapes, device, "bf16_remainder"),
+            "ours_bf16_remainder_bf16_grads": our_step(shapes, device, "bf16_remainder", torch.bfloat16),
+        }, device)
+        t_fused, t_foreach, t_ours = seconds["torch_fused"], seconds["torch_foreach"], seconds["ours_fp32"]
+        t_rem, t_rem_bf16g = seconds["ours_bf16_remainder"], seconds["ours_bf16_remainder_bf16_grads"]
         case = {
             "params": name, "numel": n, "tensors": len(shapes),
-            "seconds": {"torch_fused": t_fused, "torch_foreach": t_foreach, "ours_fp32": t_ours,
-                        "ours_bf16_remainder": t_rem, "ours_bf16_remainder_bf16_grads": t_rem_bf16g},
+            "seconds": seconds,
             "params_per_s": {"torch_fused": n / t_fused, "ours_fp32": n / t_ours,
                              "ours_bf16_remainder": n / t_rem},
             "speedup_vs_torch_fused": {"ours_fp32": t_fused / t_ours, "ours_bf16_remainder": t_fused / t_rem},

@@ -34,6 +34,17 @@ def time_fn(fn: Callable[[], None], device: torch.device, warmup: int = 3, iters
     return statistics.median(samples)
 
 
+def time_interleaved(fns: Dict[str, Callable[[], None]], device: torch.device, rounds: int = 5,
+                     iters: int = 5) -> Dict[str, float]:
+    """Median seconds per call of each fn, measured in interleaved rounds so that
+    drift in machine speed (shared hosts, turbo, thermals) hits every contender alike."""
+    samples: Dict[str, List[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            samples[name].append(time_fn(fn, device, warmup=1, iters=iters))
+    return {name: statistics.median(values) for name, values in samples.items()}
+
+
 def gpt_shapes(d_model: int, n_layers: int, vocab: int, seq: int = 1024) -> Dict[str, List[Tuple[int, ...]]]:
     """Parameter shapes of a GPT-2-like model, split the way Muon + AdamW split them."""
     hidden = []

@@ -85,9 +85,9 @@ def _pow_by_squaring(base: float, step: float) -> float:
     return result
 
 
-def _bias_correction(beta: torch.Tensor, step: float, enabled: bool) -> torch.Tensor:
-    # 1 - beta^t in double, rounded once to FP32, like the kernels.
-    return _f32(1.0 - _pow_by_squaring(float(beta), step)) if enabled else _f32(1.0)
+def _inverse_bias_correction(beta: torch.Tensor, step: float, enabled: bool) -> torch.Tensor:
+    # 1 / (1 - beta^t) in double, rounded once to FP32, like the kernels.
+    return _f32(1.0 / (1.0 - _pow_by_squaring(float(beta), step))) if enabled else _f32(1.0)
 
 
 def adamw_step(
@@ -112,7 +112,8 @@ def adamw_step(
 
     Per element, in FP32, p being the master:
       g = grad * inv_scale (+ wd * p in L2 mode); m = b1 m + (1 - b1) g;
-      v = b2 v + (1 - b2) g^2; upd = (m / bc1) / (sqrt(v / bc2) + eps);
+      v = b2 v + (1 - b2) g^2; upd = (m / bc1) / (sqrt(v / bc2) + eps), evaluated as
+      (m * (1 / bc1)) / (sqrt(v * (1 / bc2)) + eps) with 1 / bc rounded once to FP32;
       p -= lr * (upd + wd * p) in AdamW mode, lr * upd in L2 mode.
     """
     if found_inf is not None and float(found_inf) != 0.0:
@@ -125,15 +126,15 @@ def adamw_step(
     for i, (p, grad, m, v, step) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, steps)):
         step += 1
         t = float(step)
-        bc1 = _bias_correction(b1, t, bias_correction).to(p.device)
-        bc2 = _bias_correction(b2, t, bias_correction).to(p.device)
+        inv_bc1 = _inverse_bias_correction(b1, t, bias_correction).to(p.device)
+        inv_bc2 = _inverse_bias_correction(b2, t, bias_correction).to(p.device)
         master = _load_master(p, masters[i] if masters else None)
         g = grad.float() * scale.to(p.device)
         if not adam_w_mode:
             g = g + wd.to(p.device) * master
         m.copy_(b1 * m + one_minus_b1 * g)
         v.copy_(b2 * v + one_minus_b2 * (g * g))
-        update = (m / bc1) / (_sqrt(v / bc2) + eps_t.to(p.device))
+        update = (m * inv_bc1) / (_sqrt(v * inv_bc2) + eps_t.to(p.device))
         if adam_w_mode:
             update = update + wd.to(p.device) * master
         master = master - lr_t.to(p.device) * update

@@ -37,7 +37,7 @@ struct AdamWCoeffs {
   T beta2, one_minus_beta2;
   T eps;
   T weight_decay;
-  T bias_correction1, bias_correction2;
+  T inv_bias_correction1, inv_bias_correction2;  // 1 / (1 - beta^t), or 1
   T inv_scale;
   bool adam_w_mode;
 };
@@ -68,10 +68,10 @@ MUON_HD double pow_by_squaring(double base, float step) {
   return result;
 }
 
-// bias_correction_k = 1 - beta_k^step (1 when disabled), in double, rounded
-// once to FP32.
-MUON_HD float bias_correction(float beta, float step, bool enabled) {
-  return enabled ? float(1.0 - pow_by_squaring(double(beta), step)) : 1.0f;
+// 1 / bias_correction_k = 1 / (1 - beta_k^step) (1 when disabled), in double,
+// rounded once to FP32: the kernels multiply by it instead of dividing.
+MUON_HD float inverse_bias_correction(float beta, float step, bool enabled) {
+  return enabled ? float(1.0 / (1.0 - pow_by_squaring(double(beta), step))) : 1.0f;
 }
 
 MUON_HD AdamWCoeffs<float> make_adamw_coeffs(const AdamWHyper& h, float lr, float step, float inv_scale) {
@@ -83,8 +83,8 @@ MUON_HD AdamWCoeffs<float> make_adamw_coeffs(const AdamWHyper& h, float lr, floa
   c.one_minus_beta2 = 1.0f - h.beta2;
   c.eps = h.eps;
   c.weight_decay = h.weight_decay;
-  c.bias_correction1 = bias_correction(h.beta1, step, h.bias_correction);
-  c.bias_correction2 = bias_correction(h.beta2, step, h.bias_correction);
+  c.inv_bias_correction1 = inverse_bias_correction(h.beta1, step, h.bias_correction);
+  c.inv_bias_correction2 = inverse_bias_correction(h.beta2, step, h.bias_correction);
   c.inv_scale = inv_scale;
   c.adam_w_mode = h.adam_w_mode;
   return c;
@@ -94,6 +94,8 @@ MUON_HD AdamWCoeffs<float> make_adamw_coeffs(const AdamWHyper& h, float lr, floa
 //   g  = grad * inv_scale           (+ wd * p in L2 mode)
 //   m  = b1 m + (1 - b1) g ;  v = b2 v + (1 - b2) g^2
 //   p -= lr * ((m / bc1) / (sqrt(v / bc2) + eps) + wd * p)   (AdamW mode)
+// evaluated with the reciprocals of bc1 and bc2 (one division and one square
+// root per element, as in torch's fused kernels).
 // p is the FP32 master; m and v are FP32 moments.
 template <typename T>
 MUON_HD void adamw_element(T& p, T& m, T& v, T grad, const AdamWCoeffs<T>& c) {
@@ -101,7 +103,7 @@ MUON_HD void adamw_element(T& p, T& m, T& v, T grad, const AdamWCoeffs<T>& c) {
   if (!c.adam_w_mode) g = g + c.weight_decay * p;
   m = c.beta1 * m + c.one_minus_beta1 * g;
   v = c.beta2 * v + c.one_minus_beta2 * (g * g);
-  T update = (m / c.bias_correction1) / (MathOps<T>::sqrt(v / c.bias_correction2) + c.eps);
+  T update = (m * c.inv_bias_correction1) / (MathOps<T>::sqrt(v * c.inv_bias_correction2) + c.eps);
   if (c.adam_w_mode) update = update + c.weight_decay * p;
   p = p - c.lr * update;
 }

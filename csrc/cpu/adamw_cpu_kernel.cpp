@@ -43,8 +43,8 @@ inline AdamWCoeffs<Vec> broadcast(const AdamWCoeffs<float>& c) {
   v.one_minus_beta2 = Vec(c.one_minus_beta2);
   v.eps = Vec(c.eps);
   v.weight_decay = Vec(c.weight_decay);
-  v.bias_correction1 = Vec(c.bias_correction1);
-  v.bias_correction2 = Vec(c.bias_correction2);
+  v.inv_bias_correction1 = Vec(c.inv_bias_correction1);
+  v.inv_bias_correction2 = Vec(c.inv_bias_correction2);
   v.inv_scale = Vec(c.inv_scale);
   v.adam_w_mode = c.adam_w_mode;
   return v;

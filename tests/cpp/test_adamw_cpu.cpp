@@ -169,14 +169,14 @@ double reference_pow(double base, float step) {
   return result;
 }
 
-// DESIGN.md's AdamW, in adamw_element's order; bias corrections are computed
-// in double and rounded once, as make_adamw_coeffs documents.
+// DESIGN.md's AdamW, in adamw_element's order; the reciprocal bias corrections
+// are computed in double and rounded once, as make_adamw_coeffs documents.
 void reference_step(std::vector<HostTensor>& ts, const AdamWHyper& h, float lr, float inv_scale) {
   const float one_minus_b1 = 1.0f - h.beta1, one_minus_b2 = 1.0f - h.beta2;
   for (HostTensor& t : ts) {
     t.step += 1.0f;
-    const float bc1 = h.bias_correction ? float(1.0 - reference_pow(h.beta1, t.step)) : 1.0f;
-    const float bc2 = h.bias_correction ? float(1.0 - reference_pow(h.beta2, t.step)) : 1.0f;
+    const float inv_bc1 = h.bias_correction ? float(1.0 / (1.0 - reference_pow(h.beta1, t.step))) : 1.0f;
+    const float inv_bc2 = h.bias_correction ? float(1.0 / (1.0 - reference_pow(h.beta2, t.step))) : 1.0f;
     for (int64_t i = 0; i < t.n; ++i) {
       float p = t.read_master(i);
       float g = t.read_grad(i) * inv_scale;
@@ -185,7 +185,7 @@ void reference_step(std::vector<HostTensor>& ts, const AdamWHyper& h, float lr, 
       float& v = t.v[i];
       m = h.beta1 * m + one_minus_b1 * g;
       v = h.beta2 * v + one_minus_b2 * (g * g);
-      float upd = (m / bc1) / (std::sqrt(v / bc2) + h.eps);
+      float upd = (m * inv_bc1) / (std::sqrt(v * inv_bc2) + h.eps);
       if (h.adam_w_mode) upd = upd + h.weight_decay * p;
       p = p - lr * upd;
       t.write_master(i, p);
@@ -382,7 +382,7 @@ TEST(AdamWCpuDispatch, UnsupportedCombinationsThrow) {
 // Each squaring doubles the relative error of the one before, so beta^t by
 // binary exponentiation is within ~t * 2^-53 of the library pow (below 1e-9 for
 // every step a float counter can hold): far below FP32 resolution, so the FP32
-// bias correction is the correctly rounded 1 - beta^t or one ulp off.
+// reciprocal bias correction is the correctly rounded 1 / (1 - beta^t) or one ulp off.
 TEST(AdamWBiasCorrection, SquaringAgreesWithLibraryPow) {
   for (float beta : {0.9f, 0.95f, 0.99f, 0.999f, 0.9999f}) {
     for (float step = 1.0f; step < 2.0e6f; step = step < 64.0f ? step + 1.0f : step * 1.37f) {
@@ -390,10 +390,10 @@ TEST(AdamWBiasCorrection, SquaringAgreesWithLibraryPow) {
       const double exact = std::pow(double(beta), double(t));
       const double squared = muon_ext::pow_by_squaring(double(beta), t);
       ASSERT_NEAR(squared, exact, 1e-9 * exact) << "beta " << beta << " step " << t;
-      const float bc = muon_ext::bias_correction(beta, t, true);
-      const float rounded = float(1.0 - exact);
-      ASSERT_LE(std::fabs(bc - rounded), std::nextafter(rounded, 2.0f) - rounded) << "beta " << beta << " step " << t;
+      const float inv = muon_ext::inverse_bias_correction(beta, t, true);
+      const float rounded = float(1.0 / (1.0 - exact));
+      ASSERT_LE(std::fabs(inv - rounded), std::nextafter(rounded, 1e30f) - rounded) << "beta " << beta << " step " << t;
     }
   }
-  EXPECT_EQ(muon_ext::bias_correction(0.9f, 5.0f, false), 1.0f);
+  EXPECT_EQ(muon_ext::inverse_bias_correction(0.9f, 5.0f, false), 1.0f);
 }
