@@ -123,8 +123,8 @@ class MuonAdamW(torch.optim.Optimizer):
         for index, group in enumerate(self.param_groups):
             names = list(group.get("param_names", [])) or [None] * len(group["params"])
             for i, (p, name) in enumerate(zip(group["params"], names)):
-                label = f"param group {index} ({group['kind']}), param {i}" + (f" '{name}'" if name else "")
-                self._info[id(p)] = _ParamInfo(p, index, i, group["kind"], self._master_mode(p), label)
+                self._info[id(p)] = _ParamInfo(p, index, i, group["kind"], self._master_mode(p),
+                                               _label(index, group["kind"], i, name))
 
     # ------------------------------------------------------------------
     # Groups and state
@@ -151,8 +151,7 @@ class MuonAdamW(torch.optim.Optimizer):
 
         infos = []
         for i, (p, name) in enumerate(zip(params, names)):
-            label = f"param group {index} ({kind}), param {i}" + (f" '{name}'" if name else "")
-            infos.append(_ParamInfo(p, index, i, kind, self._master_mode(p), label))
+            infos.append(_ParamInfo(p, index, i, kind, self._master_mode(p), _label(index, kind, i, name)))
         self.param_groups.append(group)
         for info in infos:
             self._info[id(info.param)] = info
@@ -178,7 +177,7 @@ class MuonAdamW(torch.optim.Optimizer):
         self._check_hyper(index, group)
         seen = set()
         for i, p in enumerate(group["params"]):
-            label = f"param group {index} ({kind}), param {i}" + (f" '{names[i]}'" if names[i] else "")
+            label = _label(index, kind, i, names[i])
             if not isinstance(p, torch.Tensor):
                 raise TypeError(f"{label}: expected a tensor, got {type(p).__name__}")
             if id(p) in self._info or id(p) in seen:
@@ -385,6 +384,11 @@ class _GradScalerInputs:
             found = None if self.found_inf is None else self.found_inf.to(device, non_blocking=True).float().reshape(1)
             self.cache[device] = (inv, found)
         return self.cache[device]
+
+
+def _label(group: int, kind: str, index: int, name: Optional[str]) -> str:
+    """How messages name a param: 'param group 1 (muon), param 3 'layers.0.w''."""
+    return f"param group {group} ({kind}), param {index}" + (f" '{name}'" if name else "")
 
 
 def _is_dtensor(t) -> bool:
