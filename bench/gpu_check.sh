@@ -3,13 +3,18 @@
 # then the benchmarks. Each stage runs under its own time limit and writes its
 # results into RESULTS_DIR as it finishes, so a partial run still reports.
 #
-#   bench/gpu_check.sh RESULTS_DIR
+#   bench/gpu_check.sh RESULTS_DIR [STAGE ...]
 #
+# STAGEs: build tests adamw muon step (default: all, in that order). One device
+# command may run 10 minutes, so a lease typically runs `build tests adamw`
+# in one call and `muon step` in a second (the in-place build is kept).
 # RESULTS_DIR receives: stages.json (rc and seconds per stage), log.txt (all
 # output), gpu_tests.json (per-test outcomes) and one JSON file per benchmark.
 set -uo pipefail
 
-OUT=${1:?usage: bench/gpu_check.sh RESULTS_DIR}
+OUT=${1:?usage: bench/gpu_check.sh RESULTS_DIR [build|tests|adamw|muon|step ...]}
+shift
+STAGES_WANTED=${*:-build tests adamw muon step}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."
@@ -20,7 +25,7 @@ export MAX_JOBS=${MAX_JOBS:-16}
 PY=${PYTHON:-python3}
 LOG="$OUT/log.txt"
 STAGES="$OUT/stages.json"
-echo "[]" > "$STAGES"
+[ -f "$STAGES" ] || echo "[]" > "$STAGES"
 
 # stage NAME SECONDS COMMAND...: run, log, and record rc / duration.
 stage() {
@@ -40,11 +45,16 @@ PYEOF
   return $rc
 }
 
+wants() { [[ " $STAGES_WANTED " == *" $1 "* ]]; }
+
 nvidia-smi >> "$LOG" 2>&1
-stage build 420 "$PY" -m pip install --no-build-isolation --no-deps -v -e . || exit 1
-stage gpu_tests 300 "$PY" -m pytest tests/python -m gpu -q -rA -p no:cacheprovider \
-  --junitxml="$OUT/gpu_tests.xml"
-"$PY" - "$OUT/gpu_tests.xml" "$OUT/gpu_tests.json" <<'PYEOF'
+if wants build; then
+  stage build 300 "$PY" -m pip install --no-build-isolation --no-deps -v -e . || exit 1
+fi
+if wants tests; then
+  stage gpu_tests 240 "$PY" -m pytest tests/python -m gpu -q -rA -p no:cacheprovider \
+    --junitxml="$OUT/gpu_tests.xml"
+  "$PY" - "$OUT/gpu_tests.xml" "$OUT/gpu_tests.json" <<'PYEOF'
 import json, sys, xml.etree.ElementTree as ET
 try:
     root = ET.parse(sys.argv[1]).getroot()
@@ -52,22 +62,20 @@ except Exception as exc:  # the stage may have been killed before writing it
     json.dump({"error": str(exc)}, open(sys.argv[2], "w")); sys.exit(0)
 cases = []
 for case in root.iter("testcase"):
-    outcome = "passed"
+    outcome, detail = "passed", ""
     for tag in ("failure", "error", "skipped"):
         node = case.find(tag)
         if node is not None:
-            outcome = tag
-            detail = (node.get("message") or "")[:2000]
+            outcome, detail = tag, (node.get("message") or "")[:2000]
             break
-    else:
-        detail = ""
     cases.append({"test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
                   "seconds": float(case.get("time", 0)), "detail": detail})
 summary = {k: sum(c["outcome"] == k for c in cases) for k in ("passed", "failure", "error", "skipped")}
 json.dump({"summary": summary, "cases": cases}, open(sys.argv[2], "w"), indent=1)
 PYEOF
-rm -f "$OUT/gpu_tests.xml"
-stage bench_adamw 240 "$PY" bench/adamw.py --device cuda --out "$OUT/adamw.json"
-stage bench_muon 300 "$PY" bench/muon.py --device cuda --out "$OUT/muon.json"
-stage bench_step 300 "$PY" bench/step.py --device cuda --out "$OUT/step.json"
+  rm -f "$OUT/gpu_tests.xml"
+fi
+wants adamw && stage bench_adamw 90 "$PY" bench/adamw.py --device cuda --out "$OUT/adamw.json"
+wants muon && stage bench_muon 200 "$PY" bench/muon.py --device cuda --out "$OUT/muon.json"
+wants step && stage bench_step 240 "$PY" bench/step.py --device cuda --out "$OUT/step.json"
 exit 0
