@@ -44,7 +44,8 @@ constexpr int kReduceThreads = 256;
 constexpr int kWarpSize = 32;
 constexpr int kSumRows = 16;
 
-__device__ __forceinline__ float warp_sum(float value) {
+template <typename T>
+__device__ __forceinline__ T warp_sum(T value) {
 #pragma unroll
   for (int offset = kWarpSize / 2; offset > 0; offset /= 2) value += __shfl_down_sync(0xffffffffu, value, offset);
   return value;  // valid in lane 0
@@ -52,14 +53,15 @@ __device__ __forceinline__ float warp_sum(float value) {
 
 // Sum over a 1-D block (a multiple of 32 threads) in a fixed order: a shuffle
 // tree per warp, then one over the warp sums.  The total lands in thread 0.
-__device__ float block_sum(float value) {
-  __shared__ float warp_sums[kWarpSize];
+template <typename T>
+__device__ T block_sum(T value) {
+  __shared__ T warp_sums[kWarpSize];
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   value = warp_sum(value);
   if (lane == 0) warp_sums[warp] = value;
   __syncthreads();
-  value = 0.0f;
-  if (warp == 0) value = warp_sum(lane < int(blockDim.x / kWarpSize) ? warp_sums[lane] : 0.0f);
+  value = T(0);
+  if (warp == 0) value = warp_sum(lane < int(blockDim.x / kWarpSize) ? warp_sums[lane] : T(0));
   __syncthreads();  // warp_sums is free for the next call
   return value;
 }
@@ -78,7 +80,7 @@ struct MomentumArgs {
   const float* inv_scale;  // null: 1
   const float* found_inf;  // null: never set
   int64_t matrix_numel;
-  float* partials;     // [chunk, blocks per matrix]: written by kNormSquares
+  double* partials;    // [chunk, blocks per matrix]: written by kNormSquares
   const float* scale;  // [chunk]: read by kWorkspace
   uint16_t* x;         // [chunk, rows, cols] BF16: written by kWorkspace
 };
@@ -101,7 +103,8 @@ __global__ void __launch_bounds__(kBlockSize) momentum_kernel(const MatrixList<2
   const int64_t begin = int64_t(blockIdx.x) * kElementsPerBlock;
   const int64_t end = min(begin + kElementsPerBlock, args.matrix_numel);
 
-  float sum_squares = 0.0f;
+  // In double, as the CPU twin: the scale then rounds to the same FP32 bits.
+  double sum_squares = 0.0;
   for (int64_t i = begin + int64_t(threadIdx.x) * kILP; i < end; i += kElementStride) {
     const int count = int(min(int64_t(kILP), end - i));
     Pack<grad_t> g_pack{};
@@ -114,7 +117,7 @@ __global__ void __launch_bounds__(kBlockSize) momentum_kernel(const MatrixList<2
       const float g = G::load(g_pack.val[j]) * inv_scale;
       if constexpr (kFirstPass) {
         const float u = muon_momentum(m_pack.val[j], g, args.mu, args.nesterov);
-        sum_squares += u * u;
+        sum_squares += double(u) * double(u);
       } else {
         // What muon_momentum returned in pass 1, from the momentum it stored.
         const float u = args.nesterov ? lerp(g, m_pack.val[j], args.mu) : m_pack.val[j];
@@ -128,20 +131,20 @@ __global__ void __launch_bounds__(kBlockSize) momentum_kernel(const MatrixList<2
     }
   }
   if constexpr (kFirstPass) {
-    const float total = block_sum(sum_squares);
+    const double total = block_sum(sum_squares);
     if (threadIdx.x == 0) args.partials[matrix * gridDim.x + blockIdx.x] = total;
   }
 }
 
 // One block per matrix of the chunk: its partial sums, in order, to the scale.
 __global__ void __launch_bounds__(kReduceThreads)
-    input_scale_kernel(const float* partials, int64_t blocks_per_matrix, float* scale, const float* found_inf) {
+    input_scale_kernel(const double* partials, int64_t blocks_per_matrix, float* scale, const float* found_inf) {
   if (skip_step(found_inf)) return;
-  const float* matrix_partials = partials + int64_t(blockIdx.x) * blocks_per_matrix;
-  float sum = 0.0f;
+  const double* matrix_partials = partials + int64_t(blockIdx.x) * blocks_per_matrix;
+  double sum = 0.0;
   for (int64_t b = threadIdx.x; b < blocks_per_matrix; b += blockDim.x) sum += matrix_partials[b];
   sum = block_sum(sum);
-  if (threadIdx.x == 0) scale[blockIdx.x] = polar_input_scale(sum);
+  if (threadIdx.x == 0) scale[blockIdx.x] = polar_input_scale(static_cast<float>(sum));
 }
 
 // -------------------------------------------------------------------- NorMuon
@@ -308,10 +311,11 @@ void run_muon_step(const MuonBucket& bucket, const MuonStepOptions& options) {
   const int64_t blocks_per_matrix = ceil_div(numel, kElementsPerBlock);
 
   // All scratch of one matrix: X, the Polar-Express buffers, the partial sums
-  // and scale, and the NorMuon statistics.
-  const int64_t fp32_scratch = blocks_per_matrix + 1 + (hyper.normuon ? stat_length : 0);
+  // (FP64) and scale, and the NorMuon statistics.
+  const int64_t fp32_scratch = 1 + (hyper.normuon ? stat_length : 0);
   const int64_t per_matrix_workspace_bytes = numel * int64_t(sizeof(uint16_t)) +
                                              polar_express_workspace_bytes(rows, cols) +
+                                             blocks_per_matrix * int64_t(sizeof(double)) +
                                              fp32_scratch * int64_t(sizeof(float));
   const int64_t capacity =
       std::min(total, std::max<int64_t>(1, options.max_workspace_bytes / per_matrix_workspace_bytes));
@@ -324,7 +328,7 @@ void run_muon_step(const MuonBucket& bucket, const MuonStepOptions& options) {
   const at::TensorOptions f32 = bucket.params.front().options().dtype(at::kFloat);
   const at::Tensor x = at::empty({capacity, rows, cols}, f32.dtype(at::kBFloat16));
   const PolarExpressWorkspace polar = make_polar_express_workspace(capacity, rows, cols, f32);
-  const at::Tensor partials = at::empty({capacity, blocks_per_matrix}, f32);
+  const at::Tensor partials = at::empty({capacity, blocks_per_matrix}, f32.dtype(at::kDouble));
   const at::Tensor scale = at::empty({capacity}, f32);
   const at::Tensor stats = hyper.normuon ? at::empty({capacity, stat_length}, f32) : at::Tensor();
 
@@ -332,7 +336,7 @@ void run_muon_step(const MuonBucket& bucket, const MuonStepOptions& options) {
   const MomentumArgs momentum{
       .mu = hyper.momentum, .nesterov = hyper.nesterov,
       .inv_scale = options.inv_scale.has_value() ? options.inv_scale->const_data_ptr<float>() : nullptr,
-      .found_inf = found_inf, .matrix_numel = numel, .partials = partials.mutable_data_ptr<float>(),
+      .found_inf = found_inf, .matrix_numel = numel, .partials = partials.mutable_data_ptr<double>(),
       .scale = scale.const_data_ptr<float>(), .x = static_cast<uint16_t*>(x.data_ptr())};
   const ApplyArgs apply{
       .lr = static_cast<float>(options.lr),
@@ -357,7 +361,7 @@ void run_muon_step(const MuonBucket& bucket, const MuonStepOptions& options) {
     };
     momentum_pass(std::integral_constant<MomentumPass, MomentumPass::kNormSquares>{});
     input_scale_kernel<<<unsigned(count), kReduceThreads, 0, stream>>>(
-        partials.const_data_ptr<float>(), blocks_per_matrix, scale.mutable_data_ptr<float>(), found_inf);
+        partials.const_data_ptr<double>(), blocks_per_matrix, scale.mutable_data_ptr<float>(), found_inf);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     momentum_pass(std::integral_constant<MomentumPass, MomentumPass::kWorkspace>{});
 
