@@ -67,6 +67,7 @@ def load_optimizer_state(opt: "MuonAdamW", state_dict: dict) -> None:
     for saved, group in zip(saved_groups, opt.param_groups):
         group.update({k: v for k, v in saved.items() if k != "params"})
     for p, entry in plan:
+        opt._masters_from_params.discard(id(p))
         _load_entry(opt, p, entry)
 
 
@@ -110,8 +111,13 @@ def _load_entry(opt: "MuonAdamW", p: torch.Tensor, entry: Dict) -> None:
         elif key not in ("step",):
             state[key] = value.to(p.device) if isinstance(value, torch.Tensor) else value
     master = entry.get("master_param")
+    if master is None and info.master == "fp32":
+        # No saved master: the param is the master, whether the model weights
+        # are loaded before or after this call; read it at the next use.
+        opt._masters_from_params.add(id(p))
+        return
     if master is None:
-        master = p.detach().float()  # no saved master: the (loaded) param is the master
+        master = p.detach().float()  # a zero remainder: the param, whenever it is loaded, is the master
     elif master.dtype == torch.int16:
         master = ops.merge_master(p.detach(), master.to(p.device).contiguous())
     opt._write_master(info, master.to(device=p.device, dtype=torch.float32).contiguous())

@@ -101,6 +101,10 @@ class MuonAdamW(torch.optim.Optimizer):
         self.max_workspace_bytes = int(max_workspace_bytes)
         self._info: Dict[int, _ParamInfo] = {}
         self._buckets: Optional[List[_Bucket]] = None
+        # FP32 masters to re-read from their params before next use: set by
+        # loading a checkpoint without masters, so that model weights loaded
+        # afterwards still become the masters.
+        self._masters_from_params: set = set()
         if isinstance(params, torch.Tensor):
             raise TypeError("params must be an iterable of param groups, not a tensor")
         groups = list(params)
@@ -119,6 +123,7 @@ class MuonAdamW(torch.optim.Optimizer):
         """After copy.deepcopy / unpickling: the per-param table is keyed by id, so rebuild it."""
         super().__setstate__(state)
         self._buckets = None
+        self._masters_from_params = set()
         self._info = {}
         for index, group in enumerate(self.param_groups):
             names = list(group.get("param_names", [])) or [None] * len(group["params"])
@@ -245,6 +250,7 @@ class MuonAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._sync_masters_from_params()
         scalers = _GradScalerInputs(getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
         for bucket in self._get_buckets():
             group = self.param_groups[bucket.group]
@@ -322,6 +328,7 @@ class MuonAdamW(torch.optim.Optimizer):
             raise RuntimeError("update_param: not allowed during CUDA graph capture")
         self._init_state(info)
         self._write_master(info, values.detach().to(param.device).contiguous())
+        self._masters_from_params.discard(id(param))
 
     def _write_master(self, info: _ParamInfo, master: torch.Tensor) -> None:
         """Write an FP32 master (contiguous, on the param's device) into param and state."""
@@ -334,6 +341,12 @@ class MuonAdamW(torch.optim.Optimizer):
             p.data.copy_(master)  # copy_ rounds to nearest even for 16-bit params
         torch.autograd.graph.increment_version(p)
 
+    def _sync_masters_from_params(self) -> None:
+        for key in self._masters_from_params:
+            p = self._info[key].param
+            self.state[p]["master_param"].copy_(p.detach())
+        self._masters_from_params.clear()
+
     def get_full_parameter_master(self, param: torch.nn.Parameter) -> Optional[torch.Tensor]:
         """A new FP32 tensor holding the param's full master weights.
 
@@ -342,6 +355,7 @@ class MuonAdamW(torch.optim.Optimizer):
         does not own.
         """
         info = self._param_info(param)
+        self._sync_masters_from_params()
         state = self.state[param]
         if info.master == "remainder":
             return ops.merge_master(param.detach(), state["master_param"])

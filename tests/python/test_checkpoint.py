@@ -264,3 +264,28 @@ def test_int16_master_for_an_fp32_param_is_refused():
     with pytest.raises(TypeError, match="int16"):
         opt.load_state_dict(sd)
     assert_optimizer_unchanged(opt, snap)
+
+
+@pytest.mark.parametrize("target", ["bf16_fp32_master", "bf16_remainder"])
+def test_checkpoint_without_masters_loads_in_either_order(target):
+    """A checkpoint from BF16 params without masters (master_weights=False)
+    carries no master_param: the loaded model weights become the masters
+    whether they are loaded before or after the optimizer state, and the two
+    orders then train to the same bits."""
+    source_model, source = _build("bf16_direct")
+    _train(source_model, source, range(2))
+    checkpoint = _save_load({"model": source_model.state_dict(), "optimizer": source.state_dict()})
+    runs = []
+    for order in ("model_first", "optimizer_first"):
+        model, opt = _build(target, seed=1)
+        if order == "model_first":
+            model.load_state_dict(checkpoint["model"])
+            opt.load_state_dict(checkpoint["optimizer"])
+        else:
+            opt.load_state_dict(checkpoint["optimizer"])
+            model.load_state_dict(checkpoint["model"])
+        for p in _params(opt):
+            assert_bit_equal(opt.get_full_parameter_master(p), p.detach().float(), "master == loaded param")
+        _train(model, opt, range(2, 4))
+        runs.append(opt)
+    _assert_same_optimizer(runs[0], runs[1])
