@@ -1,5 +1,6 @@
 """MuonAdamW on CUDA (GPU only): against the same optimizer on CPU, with
-GradScaler("cuda"), without host syncs, and update_param refused in graph capture."""
+GradScaler("cuda"), without host syncs, captured in a CUDA graph, and
+update_param refused in graph capture."""
 
 import pytest
 import torch
@@ -45,12 +46,6 @@ def _grads(step, params):
 def _set_grads(params, grads, scale=1.0):
     for p, g in zip(params, grads):
         p.grad = (g.to(p.device) * scale).to(p.dtype)
-
-
-
-
-
-
 
 
 @pytest.mark.parametrize("config", [dict(), dict(store_param_remainders=False)], ids=["remainder", "fp32_master"])
@@ -158,3 +153,46 @@ def test_update_param_is_refused_during_graph_capture():
     assert_optimizer_unchanged(opt, snap)
     opt.update_param(params[0], values)  # allowed outside capture
     assert_bit_equal(opt.get_full_parameter_master(params[0]), values, "master")
+
+
+def test_step_captured_in_a_cuda_graph_replays_like_eager():
+    """With lr as device tensors, a whole step (both kinds of groups, Muon
+    workspaces from the graph's pool) captures into a CUDA graph; replays with
+    new grads and a changed lr give the same bits as eager steps."""
+    eager_params, eager = _build("cuda")
+    graph_params, graphed = _build("cuda")
+    for opt in (eager, graphed):
+        for group in opt.param_groups:
+            group["lr"] = torch.tensor([group["lr"]], device="cuda")
+    static_grads = [torch.zeros_like(p) for p in graph_params]
+    for p, g in zip(graph_params, static_grads):
+        p.grad = g
+
+    # Warm up on a side stream (first-use allocations), then capture one step.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    warm = _build("cuda")[1]
+    for group in warm.param_groups:
+        group["lr"] = torch.tensor([group["lr"]], device="cuda")
+    with torch.cuda.stream(side):
+        _set_grads([p for g in warm.param_groups for p in g["params"]], _grads(0, graph_params))
+        warm.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graphed.step()
+
+    for step in range(3):
+        grads = _grads(step, graph_params)
+        for g, new in zip(static_grads, grads):
+            g.copy_(new.to("cuda"))
+        _set_grads(eager_params, grads)
+        if step == 2:
+            for opt in (eager, graphed):
+                for group in opt.param_groups:
+                    group["lr"].mul_(0.5)
+        graph.replay()
+        eager.step()
+    torch.cuda.synchronize()
+    for (name, a), b in zip(optimizer_tensors(graphed).items(), optimizer_tensors(eager).values()):
+        assert_bit_equal(a, b, name)
