@@ -102,13 +102,13 @@ def _load_entry(opt: "MuonAdamW", p: torch.Tensor, entry: Dict) -> None:
     opt._init_state(info)
     state = opt.state[p]
     for key, value in entry.items():
-        if key == "master_param":
-            continue
-        if key == "step" and "step" in state:
+        if key == "master_param" or (key == "step" and "step" not in state):
+            continue  # the master is written below; a step counter only where this kind keeps one
+        if key == "step":
             state["step"].fill_(float(value))
         elif key in state and isinstance(value, torch.Tensor):
             state[key].copy_(value)  # keeps our dtype (FP32) and device
-        elif key not in ("step",):
+        else:
             state[key] = value.to(p.device) if isinstance(value, torch.Tensor) else value
     master = entry.get("master_param")
     if master is None and info.master == "fp32":

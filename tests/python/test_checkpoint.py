@@ -128,6 +128,16 @@ def test_checkpoints_move_between_remainder_and_fp32_master_configs(source, targ
             assert_bit_equal(fresh.state[q][key], opt.state[p][key], key)
 
 
+def _load(model, opt, checkpoint, order):
+    """Model weights and optimizer state from `checkpoint`, in the given order."""
+    if order == "model_first":
+        model.load_state_dict(checkpoint["model"])
+        opt.load_state_dict(checkpoint["optimizer"])
+    else:
+        opt.load_state_dict(checkpoint["optimizer"])
+        model.load_state_dict(checkpoint["model"])
+
+
 def _params(opt):
     return [p for g in opt.param_groups for p in g["params"]]
 
@@ -148,12 +158,7 @@ def test_resume_is_bit_exact(mode, order):
     del model, opt
 
     model, opt = _build(mode, seed=1, lr_factor=3.0)
-    if order == "model_first":
-        model.load_state_dict(checkpoint["model"])
-        opt.load_state_dict(checkpoint["optimizer"])
-    else:
-        opt.load_state_dict(checkpoint["optimizer"])
-        model.load_state_dict(checkpoint["model"])
+    _load(model, opt, checkpoint, order)
     _train(model, opt, range(3, 6))
     _assert_same_optimizer(opt, ref_opt)
 
@@ -278,12 +283,7 @@ def test_checkpoint_without_masters_loads_in_either_order(target):
     runs = []
     for order in ("model_first", "optimizer_first"):
         model, opt = _build(target, seed=1)
-        if order == "model_first":
-            model.load_state_dict(checkpoint["model"])
-            opt.load_state_dict(checkpoint["optimizer"])
-        else:
-            opt.load_state_dict(checkpoint["optimizer"])
-            model.load_state_dict(checkpoint["model"])
+        _load(model, opt, checkpoint, order)
         for p in _params(opt):
             assert_bit_equal(opt.get_full_parameter_master(p), p.detach().float(), "master == loaded param")
         _train(model, opt, range(2, 4))
