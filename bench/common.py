@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import platform
+import sys
 import statistics
 import time
 from pathlib import Path
@@ -65,6 +67,28 @@ def numel(shapes) -> int:
     return total
 
 
+# Caps oneDNN, MKL and ATen at AVX2. On such a CPU oneDNN has no BF16 GEMM and
+# torch falls back to a scalar loop (about 1 GFLOP/s against ~200 in FP32 here),
+# which is where bf16-matmul optimizers such as torch.optim.Muon spend seconds.
+AVX2_HOST_ENV = {"ONEDNN_MAX_CPU_ISA": "AVX2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"}
+
+
+def reexec_as_avx2_host() -> None:
+    """Restart this script with AVX2_HOST_ENV set (the libraries read it at load time)."""
+    if all(os.environ.get(k) == v for k, v in AVX2_HOST_ENV.items()):
+        return
+    os.execve(sys.executable, [sys.executable] + sys.argv, {**os.environ, **AVX2_HOST_ENV})
+
+
+def cpu_gemm_rates(n: int = 1024) -> Dict[str, float]:
+    """FLOP/s of one n x n x n matmul in FP32 and BF16 on the CPU (median of 3)."""
+    rates = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
+        rates[str(dtype).replace("torch.", "")] = 2 * n**3 / time_fn(lambda: a @ b, torch.device("cpu"), 1, 3)
+    return rates
+
+
 def environment(device: torch.device) -> dict:
     env = {"torch": str(torch.__version__), "python": platform.python_version(), "device": str(device),
            "cpu_threads": torch.get_num_threads()}
@@ -72,6 +96,8 @@ def environment(device: torch.device) -> dict:
         env["gpu"] = torch.cuda.get_device_name(device)
     else:
         env["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+        env["isa_caps"] = {k: os.environ[k] for k in AVX2_HOST_ENV if k in os.environ}
+        env["gemm_flops_per_s"] = cpu_gemm_rates()
     return env
 
 

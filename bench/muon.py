@@ -3,7 +3,13 @@
 Every contender updates the same stack of same-shape matrices in one process.
 Reports seconds per step and ratios; on GPU also the Polar-Express FLOP rate
 against a plain batched BF16 GEMM measured in the same run.
-Usage: python bench/muon.py [--device cuda] [--out results.json]
+Usage: python bench/muon.py [--device cuda] [--out results.json] [--avx2-host]
+
+On the CPU, compare `environment.gemm_flops_per_s`: torch.optim.Muon and the seed
+orthogonalize with BF16 matmuls, ours with FP32 ones, so the ratio depends on
+whether the CPU has a fast BF16 GEMM (oneDNN on AVX-512 BF16/AMX) or not.
+`--avx2-host` reruns the benchmark with the libraries capped at AVX2, which
+reproduces a CPU without one.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ import argparse
 
 import torch
 
-from common import environment, gpt_shapes, time_fn, write_json
+from common import environment, gpt_shapes, reexec_as_avx2_host, time_fn, write_json
 from muon_ext import ops
 from peers import load_seed
 
@@ -98,7 +104,11 @@ def main():
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default="bench/results/muon.json")
     parser.add_argument("--skip-compiled-seed", action="store_true", help="skip torch.compile of the seed (slow on CPU)")
+    parser.add_argument("--avx2-host", action="store_true",
+                        help="CPU only: cap oneDNN/MKL/ATen at AVX2 (no fast BF16 GEMM), see the module doc")
     args = parser.parse_args()
+    if args.avx2_host:
+        reexec_as_avx2_host()
     device = torch.device(args.device)
     compile_seed = device.type == "cuda" and not args.skip_compiled_seed
 

@@ -15,7 +15,8 @@ tensors (params + optimizer state; the seed and torch create state lazily, so
 this is counted after the warmup steps). On GPU it also reports the memory a
 step allocates on top of that (peak during a step) and memory held between
 steps beyond params, grads and state (cached workspaces).
-Usage: python bench/step.py [--device cuda] [--out results.json]
+Usage: python bench/step.py [--device cuda] [--out results.json] [--avx2-host]
+(`--avx2-host`: see bench/muon.py.)
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import gc
 
 import torch
 
-from common import environment, gpt_shapes, numel, time_fn, write_json
+from common import environment, gpt_shapes, numel, reexec_as_avx2_host, time_fn, write_json
 from muon_ext import MuonAdamW
 from peers import load_seed
 
@@ -132,7 +133,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default="bench/results/step.json")
+    parser.add_argument("--avx2-host", action="store_true", help="CPU only: cap oneDNN/MKL/ATen at AVX2")
     args = parser.parse_args()
+    if args.avx2_host:
+        reexec_as_avx2_host()
     device = torch.device(args.device)
     on_gpu = device.type == "cuda"
     warmup, iters = (3, 20) if on_gpu else (2, 5)

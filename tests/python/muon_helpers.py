@@ -59,3 +59,15 @@ def make_muon_set(shapes, mode="fp32", normuon=True, seed=0, init=None) -> MuonS
 def make_muon_grads(shapes, dtype=torch.float32, seed=1):
     gen = torch.Generator().manual_seed(seed)
     return [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+
+
+def assert_close_except_cautious_flips(actual, expected, *, atol, flip_bound, max_flip_fraction=1e-5):
+    """Params of two Muon implementations agree to `atol`, except where the
+    cautious mask (X * p >= 0) came out differently: there X is within rounding
+    of 0, so one side decayed the element and the other did not. Such elements
+    may differ by up to `flip_bound` (the decay terms of the steps taken) and
+    must be rare; on small matrices `max_flip_fraction` allows none."""
+    diff = (actual.float() - expected.float()).abs()
+    flips = int((diff > atol).sum())
+    assert flips <= int(max_flip_fraction * diff.numel()), f"{flips} elements differ by more than {atol}"
+    assert diff.max().item() <= flip_bound, f"max |diff| {diff.max().item()} above the decay bound {flip_bound}"

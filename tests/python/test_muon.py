@@ -5,7 +5,7 @@ import torch
 
 from helpers import assert_bit_equal, fp32_master
 from muon_ext import ops, reference
-from muon_helpers import make_muon_grads, make_muon_set
+from muon_helpers import assert_close_except_cautious_flips, make_muon_grads, make_muon_set
 
 SHAPES_BY_KIND = {
     "wide": [(32, 64)] * 3,
@@ -15,6 +15,10 @@ SHAPES_BY_KIND = {
     "one": [(1, 1)] * 2,
     "odd_tall": [(257, 129)],
     "batched_16": [(16, 8, 12)],
+    # Sides >= 256 take the CPU kernel's block-triangular products of the
+    # symmetric X X^T and A A (2 and 4 row blocks here).
+    "blocked_wide": [(300, 700)] * 2,
+    "blocked_tall": [(1100, 520)],
 }
 MODES = ["fp32", "bf16_remainder", "bf16_fp32_master", "fp16_fp32_master", "bf16_direct"]
 
@@ -54,12 +58,17 @@ def test_full_step_matches_fp32_reference(kind, beta2):
     """Polar-Express in FP32 on both sides; GEMM accumulation order differs.
 
     Measured: max |param diff| ~1e-6 after 3 steps of lr 0.02 on params of
-    scale 0.1 (updates ~0.02 per element); allowed 1e-5 absolute."""
+    scale 0.1 (updates ~0.02 per element); allowed 1e-5 absolute. Where X is
+    within that noise of 0 the cautious mask may differ (2 of 572,000 elements
+    of the 1100x520 case), and the element differs by its decay term."""
     shapes = SHAPES_BY_KIND[kind]
-    ours, ref = _step_both(shapes, lr=0.02, beta2=beta2)
-    for i in range(len(shapes)):
+    lr, weight_decay, steps = 0.02, 0.1, 3
+    ours, ref = _step_both(shapes, steps=steps, lr=lr, beta2=beta2, weight_decay=weight_decay)
+    for i, shape in enumerate(shapes):
         assert_bit_equal(ours.momentum_buffers[i], ref.momentum_buffers[i], f"momentum[{i}]")
-        torch.testing.assert_close(ours.params[i], ref.params[i], rtol=0, atol=1e-5)
+        lr_eff = lr * max(1.0, shape[-2] / shape[-1]) ** 0.5
+        decay_bound = steps * lr_eff * weight_decay * ref.params[i].abs().max().item()
+        assert_close_except_cautious_flips(ours.params[i], ref.params[i], atol=1e-5, flip_bound=1e-5 + decay_bound)
         if beta2 is not None:
             torch.testing.assert_close(ours.second_momentum_buffers[i], ref.second_momentum_buffers[i],
                                        rtol=1e-4, atol=1e-9)
@@ -89,15 +98,16 @@ def test_fp32_master_trajectory_identical_across_modes(mode):
         assert_bit_equal(fp32_master(low, i), fp32.params[i], f"master[{i}]")
 
 
-def test_batched_equals_per_matrix_and_chunked_equals_unchunked():
-    shapes = [(20, 36)] * 6
+@pytest.mark.parametrize("shape,count", [((20, 36), 6), ((300, 260), 3)])
+def test_batched_equals_per_matrix_and_chunked_equals_unchunked(shape, count):
+    shapes = [shape] * count
     grads_seq = [make_muon_grads(shapes, seed=k) for k in range(3)]
     bucket = make_muon_set(shapes, "bf16_remainder")
     singles = [make_muon_set([s], "bf16_remainder", init=[p.float()]) for s, p in zip(shapes, bucket.params)]
     chunked = bucket.clone()
     for grads in grads_seq:
         ops.muon_step(*bucket.args(grads), **bucket.kwargs(), lr=0.05)
-        ops.muon_step(*chunked.args(grads), **chunked.kwargs(), lr=0.05, max_workspace_bytes=2 * 20 * 36 * 4)
+        ops.muon_step(*chunked.args(grads), **chunked.kwargs(), lr=0.05, max_workspace_bytes=2 * shape[0] * shape[1] * 4)
         for s, g in zip(singles, grads):
             ops.muon_step(*s.args([g]), **s.kwargs(), lr=0.05)
     for i, single in enumerate(singles):
