@@ -45,7 +45,7 @@ def by_shape(shapes):
     return list(groups.values())
 
 
-def bench_ours(shapes, device, mode):
+def bench_ours(shapes, device, mode, row_blocks=None):
     buckets = []
     gen = torch.Generator(device=device).manual_seed(0)
     for group in by_shape(shapes):
@@ -62,7 +62,7 @@ def bench_ours(shapes, device, mode):
 
     def step():
         for params, grads, moms, smbs, extra in buckets:
-            ops.muon_step(params, grads, moms, smbs, masters=extra, lr=lr)
+            ops.muon_step(params, grads, moms, smbs, masters=extra, lr=lr, polar_row_blocks=row_blocks)
 
     return time_fn(step, device, warmup=2, iters=10)
 
@@ -122,9 +122,15 @@ def main():
                    "seed_eager": bench_seed(shapes, device, compiled=False),
                    "seed_compiled": bench_seed(shapes, device, compiled=True) if compile_seed else None,
                    "torch_muon": bench_torch_muon(shapes, device)}
+        # Block-triangular X X^T and A A (polar_row_blocks): plain GEMMs on the CPU
+        # for comparison with its default, block counts to choose from on GPU.
+        for blocks in ((2, 4, 8) if device.type == "cuda" else (1,)):
+            seconds[f"ours_bf16_remainder_row_blocks_{blocks}"] = bench_ours(shapes, device, "bf16_remainder", blocks)
         case = {"stack": name, "matrices": len(shapes), "seconds": seconds,
                 "speedup": {f"ours_fp32_vs_{k}": v / seconds["ours_fp32"]
                             for k, v in seconds.items() if v is not None and not k.startswith("ours")}}
+        case["speedup"].update({f"ours_bf16_remainder_vs_{k}": v / seconds["ours_bf16_remainder"]
+                                for k, v in seconds.items() if "row_blocks" in k})
         if device.type == "cuda":
             flops = polar_express_flops(shapes)
             case["polar_express_flops_per_s"] = {k: flops / v for k, v in seconds.items() if v is not None}

@@ -223,7 +223,7 @@ void muon_step(const TensorList& params, const TensorList& grads, const TensorLi
                const c10::optional<double>& beta2, double weight_decay, int64_t ns_steps,
                const std::vector<std::vector<double>>& ns_coefficients, const std::string& lr_scale,
                const c10::optional<at::Tensor>& inv_scale, const c10::optional<at::Tensor>& found_inf,
-               int64_t max_workspace_bytes) {
+               int64_t max_workspace_bytes, const c10::optional<int64_t>& polar_row_blocks) {
   MuonStepOptions options;
   options.hyper.momentum = static_cast<float>(momentum);
   options.hyper.nesterov = nesterov;
@@ -237,6 +237,8 @@ void muon_step(const TensorList& params, const TensorList& grads, const TensorLi
   TORCH_CHECK_VALUE(weight_decay >= 0.0, "muon_step: weight_decay must be >= 0, got ", weight_decay);
   TORCH_CHECK_VALUE(max_workspace_bytes > 0, "muon_step: max_workspace_bytes must be positive, got ",
                     max_workspace_bytes);
+  TORCH_CHECK_VALUE(!polar_row_blocks.has_value() || *polar_row_blocks >= 1,
+                    "muon_step: polar_row_blocks must be >= 1 or None, got ", polar_row_blocks.value_or(0));
   const MuonLrScale scale_mode = parse_lr_scale(lr_scale);
   options.coefficients = check_coefficients(ns_coefficients, ns_steps);
   options.lr = lr;
@@ -244,6 +246,7 @@ void muon_step(const TensorList& params, const TensorList& grads, const TensorLi
   options.inv_scale = inv_scale;
   options.found_inf = found_inf;
   options.max_workspace_bytes = max_workspace_bytes;
+  options.polar_row_blocks = polar_row_blocks.value_or(0);
 
   MuonBucket bucket;
   bucket.params = params;
@@ -332,7 +335,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("second_momentum_buffers"), py::arg("masters"), py::arg("lr"), py::arg("lr_tensor"),
         py::arg("momentum"), py::arg("nesterov"), py::arg("beta2"), py::arg("weight_decay"), py::arg("ns_steps"),
         py::arg("ns_coefficients"), py::arg("lr_scale"), py::arg("inv_scale"), py::arg("found_inf"),
-        py::arg("max_workspace_bytes"));
+        py::arg("max_workspace_bytes"), py::arg("polar_row_blocks"));
   m.def("split_master", &muon_ext::split_master, py::arg("master"), py::arg("param"), py::arg("remainder"));
   m.def("merge_master", &muon_ext::merge_master, py::arg("param"), py::arg("remainder"), py::arg("master"));
   m.def("polar_express_coefficients", &muon_ext::polar_express_coefficients,

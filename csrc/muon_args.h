@@ -41,6 +41,7 @@ struct MuonStepOptions {
   c10::optional<at::Tensor> inv_scale;             // grads are multiplied by it
   c10::optional<at::Tensor> found_inf;             // nonzero: the step is a no-op
   int64_t max_workspace_bytes = int64_t(1) << 30;  // scratch bound per chunk of matrices
+  int64_t polar_row_blocks = 0;  // row blocks of the symmetric Polar-Express products; 0: the device's choice
 };
 
 }  // namespace muon_ext

@@ -101,6 +101,7 @@ def muon_step(
     inv_scale: Optional[torch.Tensor] = None,
     found_inf: Optional[torch.Tensor] = None,
     max_workspace_bytes: int = DEFAULT_MAX_WORKSPACE_BYTES,
+    polar_row_blocks: Optional[int] = None,
 ) -> None:
     """One Muon step on a bucket of same-shape matrices, in place.
 
@@ -114,6 +115,10 @@ def muon_step(
     `lr_scale` ("original", "match_rms_adamw", "none") and cautious weight
     decay on the FP32 master; see DESIGN.md. Matrices are processed in chunks
     whose scratch stays under `max_workspace_bytes` (at least one matrix).
+    `polar_row_blocks` (>= 1) splits the symmetric products X X^T and A A into
+    that many row blocks and multiplies only the upper block triangle (1: plain
+    GEMMs); None takes the device's choice (CPU: side / 128, clamped to 1..8;
+    CUDA: 1). It changes rounding only, never the math.
     `inv_scale` / `found_inf` behave as in `adamw_step`; on CUDA the call never
     syncs the host. Raises (TypeError / ValueError) before touching anything.
     """
@@ -137,6 +142,7 @@ def muon_step(
         inv_scale,
         found_inf,
         int(max_workspace_bytes),
+        _optional_int(polar_row_blocks, "polar_row_blocks"),
     )
 
 
@@ -160,6 +166,14 @@ def merge_master(param: torch.Tensor, remainder: torch.Tensor, out: Optional[tor
     out = torch.empty(param.shape, dtype=torch.float32, device=param.device) if out is None else out
     _C.merge_master(param, remainder, out)
     return out
+
+
+def _optional_int(value, name):
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int or None, got {type(value).__name__}")
+    return value
 
 
 def _split_lr(lr, params):

@@ -4,7 +4,8 @@
 // The element math is csrc/common/muon_math.h, shared with the CUDA kernels.
 // GEMMs run one matrix at a time through at::mm, so a matrix gets the same
 // bits whether it is stepped alone, in a bucket, or in any chunk of one. The
-// symmetric products X X^T and A A compute only their upper block triangle.
+// symmetric products X X^T and A A compute only their upper block triangle
+// (csrc/common/polar_plan.h, the plan the CUDA kernel runs too).
 #include "muon_cpu.h"
 
 #include <ATen/ATen.h>
@@ -15,6 +16,7 @@
 #include <vector>
 
 #include "../common/bits.h"
+#include "../common/polar_plan.h"
 #include "../common/remainder.h"
 #include "scalar_io.h"
 
@@ -107,76 +109,57 @@ void momentum_and_scale(const MuonBucket& b, const MuonStepOptions& o, const std
   });
 }
 
-// Row-block boundaries [0, ..., side] for the symmetric products. Blocks of
-// at least 128 rows: below that the smaller GEMMs lose more than the skipped
-// triangle saves (measured: 8% faster at side 256, 23% at 1024).
-std::vector<int64_t> symmetric_row_blocks(int64_t side) {
-  const int64_t count = std::clamp<int64_t>(side / 128, 1, 8);
-  std::vector<int64_t> bounds(count + 1);
-  for (int64_t i = 0; i <= count; ++i) bounds[i] = side * i / count;
-  return bounds;
+// A PolarView of one matrix's buffer slot (a flat contiguous tensor) as a tensor.
+at::Tensor view_of(const at::Tensor& slot, const PolarView& v) {
+  const int64_t base = slot.storage_offset() + v.offset;
+  return v.transposed ? slot.as_strided({v.rows, v.cols}, {1, v.ld}, base)
+                      : slot.as_strided({v.rows, v.cols}, {v.ld, 1}, base);
 }
 
-// Copies the strictly upper block triangle of `m` onto the lower one.
-void mirror_upper_blocks(at::Tensor& m, const std::vector<int64_t>& bounds) {
-  const int64_t side = m.size(0);
+// Copies the strictly upper block triangle of the [side, side] slot onto the lower one.
+void mirror_upper_blocks(const at::Tensor& slot, int64_t side, const std::vector<int64_t>& bounds) {
+  const at::Tensor m = slot.view({side, side});
   for (size_t i = 0; i + 2 < bounds.size(); ++i) {
-    const int64_t r0 = bounds[i], h = bounds[i + 1] - r0, r1 = bounds[i + 1];
+    const int64_t r0 = bounds[i], r1 = bounds[i + 1], h = r1 - r0;
     m.narrow(0, r1, side - r1).narrow(1, r0, h).copy_(m.narrow(0, r0, h).narrow(1, r1, side - r1).t());
   }
 }
 
-// gram = v v^T for v of shape [side, len]: only the block rows' upper parts are
-// multiplied (the SYRK saving), the rest mirrored, so gram is exactly symmetric.
-void symmetric_gram(at::Tensor& gram, const at::Tensor& v, const std::vector<int64_t>& bounds) {
-  const int64_t side = v.size(0);
-  for (size_t i = 0; i + 1 < bounds.size(); ++i) {
-    const int64_t r0 = bounds[i], h = bounds[i + 1] - r0;
-    at::Tensor out = gram.narrow(0, r0, h).narrow(1, r0, side - r0);
-    at::mm_out(out, v.narrow(0, r0, h), v.narrow(0, r0, side - r0).t());
-  }
-  mirror_upper_blocks(gram, bounds);
-}
-
-// poly = b a + c a a for a symmetric `a`; a a is symmetric too, so the same
-// block-upper scheme applies.
-void symmetric_polynomial(at::Tensor& poly, const at::Tensor& a, double b, double c,
-                          const std::vector<int64_t>& bounds) {
-  const int64_t side = a.size(0);
-  for (size_t i = 0; i + 1 < bounds.size(); ++i) {
-    const int64_t r0 = bounds[i], h = bounds[i + 1] - r0;
-    at::Tensor out = poly.narrow(0, r0, h).narrow(1, r0, side - r0);
-    at::addmm_out(out, a.narrow(0, r0, h).narrow(1, r0, side - r0), a.narrow(0, r0, h),
-                  a.narrow(1, r0, side - r0), b, c);
-  }
-  mirror_upper_blocks(poly, bounds);
-}
-
-// Polar-Express iterations, FP32, one matrix at a time (see the file comment).
-// Two X buffers are swapped between iterations; the result lands in `x`.
+// Polar-Express iterations, FP32, one matrix at a time (see the file comment),
+// executing csrc/common/polar_plan.h; the result lands in `x`.
 void polar_express(at::Tensor& x, const std::vector<std::array<float, 3>>& coefficients, int64_t rows,
-                   int64_t cols) {
+                   int64_t cols, int64_t row_blocks) {
   if (coefficients.empty()) return;
   const int64_t side = std::min(rows, cols);
-  const bool wide = rows <= cols;
-  const std::vector<int64_t> bounds = symmetric_row_blocks(side);
-  at::Tensor gram = at::empty({side, side}, x.options());
-  at::Tensor poly = at::empty({side, side}, x.options());
-  at::Tensor spare = at::empty({rows, cols}, x.options());
+  const std::vector<int64_t> bounds =
+      polar_block_bounds(side, row_blocks > 0 ? row_blocks : polar_row_blocks_cpu(side));
+  const std::vector<PolarOp> plan = polar_iteration_plan(rows, cols, bounds);
+  std::array<at::Tensor, kPolarBufferCount> slots;
+  for (int k = 1; k < kPolarBufferCount; ++k) {
+    slots[k] = at::empty({polar_buffer_numel(static_cast<PolarBuffer>(k), rows, cols)}, x.options());
+  }
+  auto slot = [&](PolarBuffer b) -> const at::Tensor& { return slots[static_cast<int>(b)]; };
   for (int64_t j = 0; j < x.size(0); ++j) {
-    at::Tensor home = x.select(0, j);
-    at::Tensor cur = home, next = spare;
+    slots[static_cast<int>(PolarBuffer::kX)] = x.select(0, j).view({-1});
     for (const auto& abc : coefficients) {
-      symmetric_gram(gram, wide ? cur : cur.t(), bounds);    // A = X X^T (wide) or X^T X (tall)
-      symmetric_polynomial(poly, gram, abc[1], abc[2], bounds);  // B = b A + c A A
-      if (wide) {
-        at::addmm_out(next, cur, poly, cur, abc[0], 1.0);   // X = a X + B X
-      } else {
-        at::addmm_out(next, cur, cur, poly, abc[0], 1.0);   // X = a X + X B
+      for (const PolarOp& op : plan) {
+        switch (op.kind) {
+          case PolarOp::Kind::kGemm: {
+            at::Tensor out = view_of(slot(op.out.buffer), op.out);
+            at::addmm_out(out, out, view_of(slot(op.lhs.buffer), op.lhs), view_of(slot(op.rhs.buffer), op.rhs),
+                          polar_scalar_value(op.beta, abc[0], abc[1], abc[2]),
+                          polar_scalar_value(op.alpha, abc[0], abc[1], abc[2]));
+            break;
+          }
+          case PolarOp::Kind::kCopy:
+            slot(op.to).copy_(slot(op.from));
+            break;
+          case PolarOp::Kind::kMirror:
+            mirror_upper_blocks(slot(op.to), side, bounds);
+            break;
+        }
       }
-      std::swap(cur, next);
     }
-    if (!cur.is_same(home)) home.copy_(cur);
   }
 }
 
@@ -312,7 +295,7 @@ void muon_step(const MuonBucket& b, const MuonStepOptions& o) {
     const std::vector<MatrixRef> mats(all.begin() + first, all.begin() + std::min(first + chunk, total));
     at::Tensor x = workspace.narrow(0, 0, static_cast<int64_t>(mats.size()));
     momentum_and_scale(b, o, mats, inv_scale, x);
-    polar_express(x, o.coefficients, b.rows, b.cols);
+    polar_express(x, o.coefficients, b.rows, b.cols, o.polar_row_blocks);
     if (o.hyper.normuon) {
       mult.assign(mats.size() * b.stat_length(), 0.0f);
       normuon_multipliers(b, o, mats, x, mult);

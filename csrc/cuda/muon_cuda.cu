@@ -365,7 +365,7 @@ void run_muon_step(const MuonBucket& bucket, const MuonStepOptions& options) {
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     momentum_pass(std::integral_constant<MomentumPass, MomentumPass::kWorkspace>{});
 
-    polar_express_bf16(x.narrow(0, 0, count), options.coefficients, polar);
+    polar_express_bf16(x.narrow(0, 0, count), options.coefficients, polar, options.polar_row_blocks);
 
     if (hyper.normuon) {
       const auto* x_bits = static_cast<const uint16_t*>(x.const_data_ptr());

@@ -1,15 +1,10 @@
-// Batched Polar-Express iterations with cuBLAS strided-batched BF16 GEMMs.
+// Batched Polar-Express iterations with cuBLAS strided-batched BF16 GEMMs,
+// executing the plan of csrc/common/polar_plan.h (tested against a
+// column-major GEMM emulation in tests/cpp/test_polar_plan.cpp).
 //
-// Transposes are expressed through cuBLAS op flags only: a row-major [r, c]
-// matrix M is, to column-major cuBLAS, M^T with leading dimension c.  So the
-// row-major product P = L R is computed as the column-major P^T = R^T L^T:
-// cuBLAS's A operand is R's storage, its B operand is L's storage, and an
-// operand that appears transposed in P gets CUBLAS_OP_T.
-//
-// "b*A + c*A@A" and "a*X + B@X" are GEMMs accumulating into C with beta.  C is
-// also the output and must not alias an operand, so A is first copied into
-// the B buffer, and X into a second buffer that the X GEMM reads while it
-// accumulates into (and overwrites) X itself; the result stays in x.
+// Transposes are expressed through cuBLAS op flags only (to_column_major). A
+// GEMM that accumulates into C with beta needs C outside its operands, so the
+// plan copies A into the B buffer and X into a second buffer first.
 #include "polar_express_cuda.h"
 
 #include <ATen/cuda/CUDABlas.h>
@@ -22,47 +17,50 @@
 
 #include <algorithm>
 #include <array>
+#include <cstdint>
 #include <limits>
+
+#include "../common/polar_plan.h"
 
 namespace muon_ext {
 namespace cuda {
 namespace {
 
-enum class Buffer { kX, kXOperand, kGram, kPoly };
+// Lower block triangle := transposed upper, per matrix, through 32x32 tiles in
+// shared memory so both the reads and the writes are coalesced. Bit copies.
+constexpr int kTile = 32;
+constexpr int kMaxRowBlocks = 64;
 
-// C = alpha * op_a(A) op_b(B) + beta * C per matrix, in cuBLAS's column-major
-// terms, with operands named by workspace buffer.
-struct GemmSpec {
-  cublasOperation_t op_a, op_b;
-  int64_t m, n, k;
-  Buffer a, b, c;
-  int64_t lda, ldb, ldc;
+struct BlockBounds {
+  int64_t value[kMaxRowBlocks + 1];
+  int count;  // number of blocks
 };
 
-// The GEMMs of one iteration on a row-major [rows, cols] X: A, then B, then X.
-// S = X^T is X's storage seen by cuBLAS (column-major [cols, rows], ld cols);
-// G and Q are the storages of A and B ([s, s], ld s).
-std::array<GemmSpec, 3> iteration_gemms(int64_t rows, int64_t cols) {
-  constexpr cublasOperation_t N = CUBLAS_OP_N, T = CUBLAS_OP_T;
-  const int64_t s = std::min(rows, cols);
-  // B = A@A:  B^T = A^T A^T = G G.
-  const GemmSpec poly{N, N, s, s, s, Buffer::kGram, Buffer::kGram, Buffer::kPoly, s, s, s};
-  if (rows <= cols) {
-    return {{
-        // A = X X^T:  A^T = X X^T = S^T S.
-        {T, N, s, s, cols, Buffer::kX, Buffer::kX, Buffer::kGram, cols, cols, s},
-        poly,
-        // X' = B@X:  X'^T = X^T B^T = S Q, [cols, s].
-        {N, N, cols, s, s, Buffer::kXOperand, Buffer::kPoly, Buffer::kX, cols, s, cols},
-    }};
+__device__ int block_of(const BlockBounds& bounds, int64_t i) {
+  int block = 0;
+  while (block + 1 < bounds.count && bounds.value[block + 1] <= i) ++block;
+  return block;
+}
+
+__global__ void mirror_upper_blocks_kernel(uint16_t* data, int64_t batch, int64_t side, BlockBounds bounds) {
+  __shared__ uint16_t tile[kTile][kTile + 1];
+  const int64_t tile_row = blockIdx.y, tile_col = blockIdx.x;
+  if (tile_col > tile_row) return;  // tiles wholly above the diagonal receive nothing
+  const int64_t row0 = tile_row * kTile, col0 = tile_col * kTile;
+  for (int64_t m = blockIdx.z; m < batch; m += gridDim.z) {
+    uint16_t* matrix = data + m * side * side;
+    // Read the transposed tile: rows col0.., columns row0.. (the upper side).
+    for (int r = threadIdx.y; r < kTile; r += blockDim.y) {
+      const int64_t i = col0 + r, j = row0 + threadIdx.x;
+      if (i < side && j < side) tile[r][threadIdx.x] = matrix[i * side + j];
+    }
+    __syncthreads();
+    for (int r = threadIdx.y; r < kTile; r += blockDim.y) {
+      const int64_t i = row0 + r, j = col0 + threadIdx.x;
+      if (i < side && j < side && block_of(bounds, i) > block_of(bounds, j)) matrix[i * side + j] = tile[threadIdx.x][r];
+    }
+    __syncthreads();
   }
-  return {{
-      // A = X^T X:  A^T = X^T X = S S^T.
-      {N, T, s, s, rows, Buffer::kX, Buffer::kX, Buffer::kGram, cols, cols, s},
-      poly,
-      // X' = X@B:  X'^T = B^T X^T = Q S, [s, rows].
-      {N, N, s, rows, s, Buffer::kPoly, Buffer::kXOperand, Buffer::kX, s, cols, cols},
-  }};
 }
 
 // Sets the handle's math mode for the scope, then restores it: the handle is
@@ -108,7 +106,7 @@ PolarExpressWorkspace make_polar_express_workspace(int64_t capacity, int64_t row
 }
 
 void polar_express_bf16(const at::Tensor& x, const std::vector<std::array<float, 3>>& coefficients,
-                        const PolarExpressWorkspace& workspace) {
+                        const PolarExpressWorkspace& workspace, int64_t row_blocks) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 3 && x.is_contiguous(),
               "polar_express_bf16: x must be a contiguous [B, rows, cols] BF16 tensor");
   const int64_t batch = x.size(0), rows = x.size(1), cols = x.size(2);
@@ -119,19 +117,22 @@ void polar_express_bf16(const at::Tensor& x, const std::vector<std::array<float,
   };
   TORCH_CHECK(fits(workspace.x_operand, rows, cols) && fits(workspace.gram, s, s) && fits(workspace.poly, s, s),
               "polar_express_bf16: the workspace does not fit x");
-  if (batch == 0 || coefficients.empty()) return;
+  if (batch == 0 || s == 0 || coefficients.empty()) return;
 
-  // Base address and batch stride of each Buffer.
-  struct Operand {
-    void* data;
-    int64_t stride;
+  const std::vector<int64_t> bounds =
+      polar_block_bounds(s, std::min<int64_t>(row_blocks > 0 ? row_blocks : polar_row_blocks_cuda(s), kMaxRowBlocks));
+  const std::vector<PolarOp> plan = polar_iteration_plan(rows, cols, bounds);
+  BlockBounds device_bounds{};
+  device_bounds.count = static_cast<int>(bounds.size()) - 1;
+  std::copy(bounds.begin(), bounds.end(), device_bounds.value);
+
+  // Base address and batch stride (elements) of each buffer, by PolarBuffer.
+  const std::array<void*, kPolarBufferCount> base = {x.data_ptr(), workspace.x_operand.data_ptr(),
+                                                     workspace.gram.data_ptr(), workspace.poly.data_ptr()};
+  auto stride = [&](PolarBuffer b) { return polar_buffer_numel(b, rows, cols); };
+  auto address = [&](PolarBuffer b, int64_t offset) {
+    return static_cast<void*>(static_cast<uint16_t*>(base[static_cast<int>(b)]) + offset);
   };
-  const int64_t x_stride = rows * cols, gram_stride = s * s;
-  const std::array<Operand, 4> operands = {{{x.data_ptr(), x_stride},
-                                            {workspace.x_operand.data_ptr(), x_stride},
-                                            {workspace.gram.data_ptr(), gram_stride},
-                                            {workspace.poly.data_ptr(), gram_stride}}};
-  auto operand = [&](Buffer buffer) { return operands[static_cast<size_t>(buffer)]; };
 
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const cublasHandle_t handle = at::cuda::getCurrentCUDABlasHandle();  // bound to `stream`
@@ -139,29 +140,37 @@ void polar_express_bf16(const at::Tensor& x, const std::vector<std::array<float,
   // No split-K partial sums in BF16: each GEMM output is rounded to BF16 once.
   const MathModeGuard math_mode(
       handle, static_cast<cublasMath_t>(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION));
-
-  const std::array<GemmSpec, 3> gemms = iteration_gemms(rows, cols);
-  auto run = [&](const GemmSpec& spec, float alpha, float beta) {
-    const Operand a = operand(spec.a), b = operand(spec.b), c = operand(spec.c);
-    TORCH_CUDABLAS_CHECK(cublasGemmStridedBatchedEx(
-        handle, spec.op_a, spec.op_b, to_int(spec.m, "m"), to_int(spec.n, "n"), to_int(spec.k, "k"), &alpha, a.data,
-        CUDA_R_16BF, to_int(spec.lda, "lda"), a.stride, b.data, CUDA_R_16BF, to_int(spec.ldb, "ldb"), b.stride, &beta,
-        c.data, CUDA_R_16BF, to_int(spec.ldc, "ldc"), c.stride, to_int(batch, "batch"), CUBLAS_COMPUTE_32F,
-        CUBLAS_GEMM_DEFAULT));
-  };
-  auto copy = [&](Buffer from, Buffer to) {
-    C10_CUDA_CHECK(cudaMemcpyAsync(operand(to).data, operand(from).data,
-                                   batch * operand(from).stride * int64_t(sizeof(uint16_t)), cudaMemcpyDeviceToDevice,
-                                   stream));
-  };
+  const dim3 mirror_threads(kTile, 8);
+  const dim3 mirror_grid(static_cast<unsigned>((s + kTile - 1) / kTile), static_cast<unsigned>((s + kTile - 1) / kTile),
+                         static_cast<unsigned>(std::min<int64_t>(batch, 65535)));
 
   for (const std::array<float, 3>& abc : coefficients) {
-    const float a = abc[0], b = abc[1], c = abc[2];
-    run(gemms[0], 1.0f, 0.0f);  // A = X X^T (tall: X^T X)
-    copy(Buffer::kGram, Buffer::kPoly);
-    run(gemms[1], c, b);  // B = c*A@A + b*A
-    copy(Buffer::kX, Buffer::kXOperand);
-    run(gemms[2], 1.0f, a);  // X = B@X + a*X (tall: X@B + a*X)
+    for (const PolarOp& op : plan) {
+      switch (op.kind) {
+        case PolarOp::Kind::kGemm: {
+          const ColumnMajorGemm g = to_column_major(op);
+          const float alpha = static_cast<float>(polar_scalar_value(op.alpha, abc[0], abc[1], abc[2]));
+          const float beta = static_cast<float>(polar_scalar_value(op.beta, abc[0], abc[1], abc[2]));
+          TORCH_CUDABLAS_CHECK(cublasGemmStridedBatchedEx(
+              handle, g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, to_int(g.m, "m"),
+              to_int(g.n, "n"), to_int(g.k, "k"), &alpha, address(g.a, g.a_offset), CUDA_R_16BF,
+              to_int(g.lda, "lda"), stride(g.a), address(g.b, g.b_offset), CUDA_R_16BF, to_int(g.ldb, "ldb"),
+              stride(g.b), &beta, address(g.c, g.c_offset), CUDA_R_16BF, to_int(g.ldc, "ldc"), stride(g.c),
+              to_int(batch, "batch"), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+          break;
+        }
+        case PolarOp::Kind::kCopy:
+          C10_CUDA_CHECK(cudaMemcpyAsync(address(op.to, 0), address(op.from, 0),
+                                         batch * stride(op.from) * int64_t(sizeof(uint16_t)),
+                                         cudaMemcpyDeviceToDevice, stream));
+          break;
+        case PolarOp::Kind::kMirror:
+          mirror_upper_blocks_kernel<<<mirror_grid, mirror_threads, 0, stream>>>(
+              static_cast<uint16_t*>(address(op.to, 0)), batch, s, device_bounds);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+          break;
+      }
+    }
   }
 }
 

@@ -30,9 +30,11 @@ PolarExpressWorkspace make_polar_express_workspace(int64_t capacity, int64_t row
 //   wide (rows <= cols):  A = X X^T ;  B = b*A + c*A@A ;  X = a*X + B@X
 //   tall (rows >  cols):  A = X^T X ;  B = b*A + c*A@A ;  X = a*X + X@B
 // Each GEMM multiplies BF16 operands with FP32 accumulation and rounds its
-// output (including the alpha/beta combination) to BF16 once.
+// output (including the alpha/beta combination) to BF16 once. `row_blocks`
+// (>= 1; 0 for the default) splits A and A@A into block rows of which only the
+// upper block triangle is multiplied (csrc/common/polar_plan.h).
 void polar_express_bf16(const at::Tensor& x, const std::vector<std::array<float, 3>>& coefficients,
-                        const PolarExpressWorkspace& workspace);
+                        const PolarExpressWorkspace& workspace, int64_t row_blocks = 0);
 
 }  // namespace cuda
 }  // namespace muon_ext

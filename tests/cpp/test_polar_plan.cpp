@@ -1,0 +1,185 @@
+// The Polar-Express iteration plan (csrc/common/polar_plan.h) executed with
+// cuBLAS's column-major GEMM semantics, in double, against the iteration
+// written out directly: checks every transpose, offset and leading dimension
+// the CUDA kernel hands to cuBLAS, plain and block-triangular, without a GPU.
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cmath>
+#include <random>
+#include <tuple>
+#include <vector>
+
+#include "csrc/common/polar_plan.h"
+
+namespace muon_ext {
+namespace {
+
+using Matrix = std::vector<double>;  // row-major
+
+struct Slots {
+  std::array<Matrix, kPolarBufferCount> buffer;
+  Matrix& operator[](PolarBuffer b) { return buffer[static_cast<int>(b)]; }
+};
+
+// cublasGemmEx on one matrix: C = alpha op_a(A) op_b(B) + beta C, column-major.
+void column_major_gemm(const ColumnMajorGemm& g, double alpha, double beta, Slots& s) {
+  const Matrix a = s[g.a], b = s[g.b];  // copies: C may share a buffer, never elements
+  Matrix& c = s[g.c];
+  for (int64_t j = 0; j < g.n; ++j) {
+    for (int64_t i = 0; i < g.m; ++i) {
+      double sum = 0.0;
+      for (int64_t p = 0; p < g.k; ++p) {
+        const double av = g.trans_a ? a.at(g.a_offset + p + i * g.lda) : a.at(g.a_offset + i + p * g.lda);
+        const double bv = g.trans_b ? b.at(g.b_offset + j + p * g.ldb) : b.at(g.b_offset + p + j * g.ldb);
+        sum += av * bv;
+      }
+      double& out = c.at(g.c_offset + i + j * g.ldc);
+      out = alpha * sum + (beta == 0.0 ? 0.0 : beta * out);
+    }
+  }
+}
+
+void execute(const std::vector<PolarOp>& plan, const std::vector<int64_t>& bounds, double a, double b, double c,
+             int64_t side, Slots& s) {
+  for (const PolarOp& op : plan) {
+    switch (op.kind) {
+      case PolarOp::Kind::kGemm:
+        column_major_gemm(to_column_major(op), polar_scalar_value(op.alpha, a, b, c),
+                          polar_scalar_value(op.beta, a, b, c), s);
+        break;
+      case PolarOp::Kind::kCopy:
+        s[op.to] = s[op.from];
+        break;
+      case PolarOp::Kind::kMirror:
+        for (int64_t i = 0; i < side; ++i)
+          for (int64_t j = 0; j < side; ++j)
+            if (polar_block_of(bounds, i) > polar_block_of(bounds, j)) s[op.to][i * side + j] = s[op.to][j * side + i];
+        break;
+    }
+  }
+}
+
+Matrix matmul(const Matrix& l, const Matrix& r, int64_t n, int64_t k, int64_t m) {  // [n,k] x [k,m]
+  Matrix out(n * m, 0.0);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t p = 0; p < k; ++p)
+      for (int64_t j = 0; j < m; ++j) out[i * m + j] += l[i * k + p] * r[p * m + j];
+  return out;
+}
+
+Matrix transpose(const Matrix& x, int64_t rows, int64_t cols) {
+  Matrix out(x.size());
+  for (int64_t i = 0; i < rows; ++i)
+    for (int64_t j = 0; j < cols; ++j) out[j * rows + i] = x[i * cols + j];
+  return out;
+}
+
+// One iteration exactly as DESIGN.md writes it.
+Matrix direct_iteration(const Matrix& x, int64_t rows, int64_t cols, double a, double b, double c) {
+  const int64_t side = std::min(rows, cols);
+  const bool wide = rows <= cols;
+  const Matrix xt = transpose(x, rows, cols);
+  const Matrix gram = wide ? matmul(x, xt, rows, cols, rows) : matmul(xt, x, cols, rows, cols);
+  Matrix poly = matmul(gram, gram, side, side, side);
+  for (size_t i = 0; i < poly.size(); ++i) poly[i] = b * gram[i] + c * poly[i];
+  Matrix next = wide ? matmul(poly, x, rows, rows, cols) : matmul(x, poly, rows, cols, cols);
+  for (size_t i = 0; i < next.size(); ++i) next[i] += a * x[i];
+  return next;
+}
+
+class PolarPlanTest : public ::testing::TestWithParam<std::tuple<int64_t, int64_t, int64_t>> {};
+
+TEST_P(PolarPlanTest, ExecutesOneIterationExactly) {
+  const auto [rows, cols, blocks] = GetParam();
+  const int64_t side = std::min(rows, cols);
+  const std::vector<int64_t> bounds = polar_block_bounds(side, blocks);
+  std::mt19937 gen(static_cast<unsigned>(rows * 1000 + cols * 10 + blocks));
+  std::normal_distribution<double> normal;
+  Slots s;
+  for (int k = 0; k < kPolarBufferCount; ++k) {
+    // Garbage in the scratch buffers: the plan must not read what it did not write.
+    s.buffer[k].assign(polar_buffer_numel(static_cast<PolarBuffer>(k), rows, cols), std::nan(""));
+  }
+  for (double& v : s[PolarBuffer::kX]) v = normal(gen) * 0.1;
+  const double a = 3.4, b = -2.7, c = 0.5;
+  const Matrix expected = direct_iteration(s[PolarBuffer::kX], rows, cols, a, b, c);
+
+  execute(polar_iteration_plan(rows, cols, bounds), bounds, a, b, c, side, s);
+  const Matrix& got = s[PolarBuffer::kX];
+  ASSERT_EQ(got.size(), expected.size());
+  for (size_t i = 0; i < got.size(); ++i) {
+    ASSERT_NEAR(got[i], expected[i], 1e-12 * (1.0 + std::abs(expected[i]))) << "element " << i;
+  }
+  // Gram and Poly come out exactly symmetric when blocked (mirrored).
+  if (bounds.size() > 2) {
+    for (PolarBuffer buf : {PolarBuffer::kGram, PolarBuffer::kPoly})
+      for (int64_t i = 0; i < side; ++i)
+        for (int64_t j = 0; j < side; ++j) ASSERT_EQ(s[buf][i * side + j], s[buf][j * side + i]);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, PolarPlanTest,
+                         ::testing::Combine(::testing::Values(1, 3, 8, 13), ::testing::Values(1, 5, 8, 21),
+                                            ::testing::Values(1, 2, 3, 8)));
+
+TEST(PolarPlan, PlainPlanIsTheThreeGemmsOfTheCudaKernel) {
+  // The cuBLAS calls of the unblocked iteration, as derived by hand in
+  // csrc/cuda/polar_express_cuda.cu's header comment (S = X^T's storage).
+  for (const auto& [rows, cols] : {std::pair<int64_t, int64_t>{4, 6}, {6, 4}}) {
+    const int64_t s = std::min(rows, cols);
+    std::vector<ColumnMajorGemm> gemms;
+    for (const PolarOp& op : polar_iteration_plan(rows, cols, polar_block_bounds(s, 1))) {
+      ASSERT_NE(op.kind, PolarOp::Kind::kMirror);
+      if (op.kind == PolarOp::Kind::kGemm) gemms.push_back(to_column_major(op));
+    }
+    ASSERT_EQ(gemms.size(), 3u);
+    const ColumnMajorGemm& gram = gemms[0];
+    const ColumnMajorGemm& update = gemms[2];
+    if (rows <= cols) {
+      EXPECT_TRUE(gram.trans_a && !gram.trans_b);
+      EXPECT_EQ(std::make_tuple(gram.m, gram.n, gram.k, gram.lda, gram.ldb, gram.ldc),
+                std::make_tuple(s, s, cols, cols, cols, s));
+      EXPECT_EQ(std::make_tuple(update.a, update.b, update.m, update.n, update.k),
+                std::make_tuple(PolarBuffer::kXOperand, PolarBuffer::kPoly, cols, s, s));
+    } else {
+      EXPECT_TRUE(!gram.trans_a && gram.trans_b);
+      EXPECT_EQ(std::make_tuple(gram.m, gram.n, gram.k), std::make_tuple(s, s, rows));
+      EXPECT_EQ(std::make_tuple(update.a, update.b, update.m, update.n, update.k),
+                std::make_tuple(PolarBuffer::kPoly, PolarBuffer::kXOperand, s, rows, s));
+    }
+  }
+}
+
+TEST(PolarPlan, BlocksSaveGemmWork) {
+  auto gemm_work = [](int64_t rows, int64_t cols, int64_t blocks) {
+    int64_t work = 0;
+    for (const PolarOp& op : polar_iteration_plan(rows, cols, polar_block_bounds(std::min(rows, cols), blocks)))
+      if (op.kind == PolarOp::Kind::kGemm) work += op.out.rows * op.out.cols * op.lhs.cols;
+    return work;
+  };
+  const int64_t s = 1024, plain = gemm_work(s, s, 1);
+  EXPECT_EQ(plain, 3 * s * s * s);
+  // n blocks: the two symmetric products cost (n + 1) / 2n of a full one each.
+  EXPECT_EQ(gemm_work(s, s, 2), s * s * s * (1 + 2 * 3 / 4.0));
+  EXPECT_EQ(gemm_work(s, s, 8), s * s * s * (1 + 2 * 9 / 16.0));
+}
+
+TEST(PolarPlan, BlockBoundsAndRowBlocks) {
+  EXPECT_EQ(polar_block_bounds(10, 3), (std::vector<int64_t>{0, 3, 6, 10}));
+  EXPECT_EQ(polar_block_bounds(3, 8), (std::vector<int64_t>{0, 1, 2, 3}));
+  EXPECT_EQ(polar_block_bounds(5, 0), (std::vector<int64_t>{0, 5}));
+  EXPECT_EQ(polar_block_bounds(0, 4), (std::vector<int64_t>{0, 0}));
+  const std::vector<int64_t> bounds = polar_block_bounds(10, 3);
+  EXPECT_EQ(polar_block_of(bounds, 0), 0);
+  EXPECT_EQ(polar_block_of(bounds, 2), 0);
+  EXPECT_EQ(polar_block_of(bounds, 3), 1);
+  EXPECT_EQ(polar_block_of(bounds, 9), 2);
+  EXPECT_EQ(polar_row_blocks_cpu(100), 1);
+  EXPECT_EQ(polar_row_blocks_cpu(256), 2);
+  EXPECT_EQ(polar_row_blocks_cpu(1024), 8);
+  EXPECT_EQ(polar_row_blocks_cpu(8192), 8);
+}
+
+}  // namespace
+}  // namespace muon_ext
