@@ -369,18 +369,35 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def state_dict(self) -> dict:
         """torch's layout, with every master stored as an FP32 tensor (portable
-        between remainder and non-remainder configurations)."""
-        return optimizer_state_dict(self)
+        between remainder and non-remainder configurations). Runs the hooks of
+        `register_state_dict_pre_hook` / `register_state_dict_post_hook`."""
+        for hook in self._optimizer_state_dict_pre_hooks.values():
+            hook(self)
+        state_dict = optimizer_state_dict(self)
+        for hook in self._optimizer_state_dict_post_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state dict saved by MuonAdamW (any master configuration) or
         with TransformerEngine-style int16 `master_param` remainders.
 
-        Validates everything first. Params are rewritten from their loaded FP32
-        masters (remainders re-derived), FP32 moments stay FP32.
+        Load pre-hooks may replace the (shallow-copied) dict; then everything is
+        validated before anything is written. Params are rewritten from their
+        loaded FP32 masters (remainders re-derived), FP32 moments stay FP32.
+        Load post-hooks run last.
         """
+        state_dict = dict(state_dict) if isinstance(state_dict, dict) else state_dict
+        for hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         load_optimizer_state(self, state_dict)
         self._buckets = None
+        for hook in self._optimizer_load_state_dict_post_hooks.values():
+            hook(self)
 
 
 class _GradScalerInputs:

@@ -55,12 +55,6 @@ def _train(model, opt, steps):
         opt.step()
 
 
-
-
-
-
-
-
 def _assert_same_optimizer(a, b):
     ta, tb = optimizer_tensors(a), optimizer_tensors(b)
     assert ta.keys() == tb.keys()
@@ -289,3 +283,27 @@ def test_checkpoint_without_masters_loads_in_either_order(target):
         _train(model, opt, range(2, 4))
         runs.append(opt)
     _assert_same_optimizer(runs[0], runs[1])
+
+
+def test_state_dict_hooks_run_as_in_torch():
+    model, opt = _build("bf16_remainder")
+    _train(model, opt, range(2))
+    calls = []
+    opt.register_state_dict_pre_hook(lambda o: calls.append("pre"))
+    opt.register_state_dict_post_hook(lambda o, sd: calls.append("post") or {**sd, "note": "tagged"})
+    saved = opt.state_dict()
+    assert calls == ["pre", "post"] and saved["note"] == "tagged"
+
+    _, target = _build("bf16_remainder", seed=1)
+
+    def retune(o, sd):
+        calls.append("load_pre")
+        sd.pop("note")  # on torch's shallow copy: the caller's dict keeps it
+        return {**sd, "param_groups": [dict(g, lr=0.5) for g in sd["param_groups"]]}
+
+    target.register_load_state_dict_pre_hook(retune)
+    target.register_load_state_dict_post_hook(lambda o: calls.append("load_post"))
+    target.load_state_dict(saved)
+    assert calls[2:] == ["load_pre", "load_post"]
+    assert "note" in saved
+    assert [g["lr"] for g in target.param_groups] == [0.5] * 3
