@@ -61,7 +61,7 @@ def load_optimizer_state(opt: "MuonAdamW", state_dict: dict) -> None:
                              f"state dict and '{group['matrix_view']}' in the optimizer")
         for p, key in zip(group["params"], saved["params"]):
             entry = saved_state.get(key, {})
-            _check_entry(opt, p, entry)
+            _check_entry(opt, p, entry, merged)
             plan.append((p, entry))
 
     for saved, group in zip(saved_groups, opt.param_groups):
@@ -71,9 +71,19 @@ def load_optimizer_state(opt: "MuonAdamW", state_dict: dict) -> None:
         _load_entry(opt, p, entry)
 
 
-def _check_entry(opt: "MuonAdamW", p: torch.Tensor, entry: Dict) -> None:
+def _expected_state_shape(p: torch.Tensor, key: str, group: Dict):
+    from .optimizer import _second_moment_shape  # optimizer imports this module
+
+    if key == "second_momentum_buffer":
+        return _second_moment_shape(p, group["matrix_view"]) if group["kind"] == "muon" else None
+    return tuple(p.shape)
+
+
+def _check_entry(opt: "MuonAdamW", p: torch.Tensor, entry: Dict, group: Dict) -> None:
+    """Raises unless `entry` can be loaded into `p`'s state under the merged `group`."""
     info = opt._param_info(p)
-    state = opt.state[p]
+    if not isinstance(entry, dict):
+        raise TypeError(f"load_state_dict: {info.name}: expected a dict of state, got {type(entry).__name__}")
     for key, value in entry.items():
         where = f"load_state_dict: {info.name}, state '{key}'"
         if key == "step":
@@ -82,6 +92,10 @@ def _check_entry(opt: "MuonAdamW", p: torch.Tensor, entry: Dict) -> None:
             continue
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{where}: expected a tensor, got {type(value).__name__}")
+        if key in _FP32_STATE or key == "master_param":
+            if value.layout != torch.strided or value.is_meta:
+                raise TypeError(f"{where}: expected a dense tensor with data, got layout {value.layout} "
+                                f"on {value.device}")
         if key == "master_param":
             int16_ok = value.dtype == torch.int16 and p.dtype == torch.bfloat16
             if value.dtype != torch.float32 and not int16_ok:
@@ -90,7 +104,7 @@ def _check_entry(opt: "MuonAdamW", p: torch.Tensor, entry: Dict) -> None:
         elif key in _FP32_STATE:
             if not value.dtype.is_floating_point:
                 raise TypeError(f"{where}: expected a floating tensor, got {value.dtype}")
-            expected = tuple(state[key].shape) if key in state else None
+            expected = _expected_state_shape(p, key, group)
         else:
             continue  # unknown extra state is kept as is
         if expected is not None and tuple(value.shape) != expected:
@@ -98,7 +112,10 @@ def _check_entry(opt: "MuonAdamW", p: torch.Tensor, entry: Dict) -> None:
 
 
 def _load_entry(opt: "MuonAdamW", p: torch.Tensor, entry: Dict) -> None:
+    """Replaces p's state with `entry` (as torch does): state the entry lacks
+    starts fresh (zero moments and step), a missing master is the param."""
     info = opt._param_info(p)
+    opt.state[p].clear()
     opt._init_state(info)
     state = opt.state[p]
     for key, value in entry.items():

@@ -80,11 +80,13 @@ def _choose(name, p, special_ids, default_res, muon_res, adamw_res) -> str:
 
 
 def _output_head_ids(model: torch.nn.Module) -> set:
-    """The output head: the last nn.Linear whose out_features is an embedding's
-    vocabulary size (tied or not). Heads of other layer types are found by name."""
-    vocab_sizes = {m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-    head = None
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear) and module.out_features in vocab_sizes:
-            head = module
-    return {id(head.weight)} if head is not None else set()
+    """The output head: the model's last nn.Linear, when its out_features is the
+    largest embedding's size (the token vocabulary; tied or not). Only the last
+    one, so a hidden layer that happens to be as wide as an embedding (an MLP of
+    width 1024 beside a 1024-position embedding) stays on Muon. Heads of other
+    layer types or positions are found by name."""
+    vocab_sizes = [m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding)]
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    if not vocab_sizes or not linears or linears[-1].out_features != max(vocab_sizes):
+        return set()
+    return {id(linears[-1].weight)}

@@ -101,12 +101,13 @@ class MuonAdamW(torch.optim.Optimizer):
         self.max_workspace_bytes = int(max_workspace_bytes)
         self._info: Dict[int, _ParamInfo] = {}
         self._buckets: Optional[List[_Bucket]] = None
+        self._buckets_signature: Tuple = ()
         # FP32 masters to re-read from their params before next use: set by
         # loading a checkpoint without masters, so that model weights loaded
         # afterwards still become the masters.
         self._masters_from_params: set = set()
-        if isinstance(params, torch.Tensor):
-            raise TypeError("params must be an iterable of param groups, not a tensor")
+        if isinstance(params, (torch.Tensor, set, frozenset)):
+            raise TypeError(f"params must be a list of param groups, not a {type(params).__name__}")
         groups = list(params)
         if not groups or not all(isinstance(g, dict) for g in groups):
             raise TypeError("MuonAdamW takes a list of param groups with a 'kind' each; "
@@ -115,21 +116,25 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict:
         state = super().__getstate__()
+        pending = [(info.group, info.index) for info in self._info.values() if id(info.param) in self._masters_from_params]
         state.update(master_weights=self.master_weights, store_param_remainders=self.store_param_remainders,
-                     grad_attr=self.grad_attr, max_workspace_bytes=self.max_workspace_bytes)
+                     grad_attr=self.grad_attr, max_workspace_bytes=self.max_workspace_bytes,
+                     _pending_master_reads=pending)
         return state
 
     def __setstate__(self, state: dict) -> None:
         """After copy.deepcopy / unpickling: the per-param table is keyed by id, so rebuild it."""
+        pending = state.pop("_pending_master_reads", [])
         super().__setstate__(state)
         self._buckets = None
-        self._masters_from_params = set()
+        self._buckets_signature = ()
         self._info = {}
         for index, group in enumerate(self.param_groups):
             names = list(group.get("param_names", [])) or [None] * len(group["params"])
             for i, (p, name) in enumerate(zip(group["params"], names)):
                 self._info[id(p)] = _ParamInfo(p, index, i, group["kind"], self._master_mode(p),
                                                _label(index, group["kind"], i, name))
+        self._masters_from_params = {id(self.param_groups[g]["params"][i]) for g, i in pending}
 
     # ------------------------------------------------------------------
     # Groups and state
@@ -145,7 +150,10 @@ class MuonAdamW(torch.optim.Optimizer):
         if "params" not in group:
             raise ValueError(f"param group {index} has no 'params'")
         params = group["params"]
-        params = [params] if isinstance(params, torch.Tensor) else list(params or [])
+        if isinstance(params, (set, frozenset)) or params is None:
+            raise TypeError(f"param group {index}: params must be an ordered sequence (a set's order varies "
+                            f"between runs), got {type(params).__name__}")
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
         names = list(group.get("param_names", [])) or [None] * len(params)
         if len(names) != len(params):
             raise ValueError(f"param group {index}: {len(names)} param_names for {len(params)} params")
@@ -165,17 +173,44 @@ class MuonAdamW(torch.optim.Optimizer):
 
     @staticmethod
     def _check_hyper(index: int, group: dict) -> None:
-        """Group settings the kernels can't check up front (also run on loaded groups)."""
-        if group["kind"] != "muon":
+        """Every group setting the kernels read, checked up front: at
+        construction, on loaded groups, and at each step (schedulers and users
+        edit groups), so a bad value raises before any param is touched."""
+        where = f"param group {index} ({group['kind']})"
+        _check_lr(where, group["lr"])
+        _check_number(where, "weight_decay", group["weight_decay"], low=0.0)
+        if group["kind"] == "adamw":
+            betas = group["betas"]
+            if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+                raise TypeError(f"{where}: betas must be a pair (beta1, beta2), got {betas!r}")
+            for name, value in zip(("betas[0]", "betas[1]"), betas):
+                _check_number(where, name, value, low=0.0, below=1.0)
+            _check_number(where, "eps", group["eps"], low=0.0)
+            _check_bool(where, "adam_w_mode", group["adam_w_mode"])
+            _check_bool(where, "bias_correction", group["bias_correction"])
+            for flag in ("amsgrad", "maximize"):
+                if group.get(flag):
+                    raise ValueError(f"{where}: {flag}=True is not supported (it changes the AdamW update)")
             return
         if group["matrix_view"] not in ("error", "flatten", "batch"):
-            raise ValueError(f"param group {index}: matrix_view must be 'error', 'flatten' or 'batch', "
+            raise ValueError(f"{where}: matrix_view must be 'error', 'flatten' or 'batch', "
                              f"got {group['matrix_view']!r}")
         if group["lr_scale"] not in ("original", "match_rms_adamw", "none"):
-            raise ValueError(f"param group {index}: unknown lr_scale {group['lr_scale']!r}")
-        if not 0 <= group["ns_steps"] <= len(group["ns_coefficients"]):
-            raise ValueError(f"param group {index}: ns_steps={group['ns_steps']} but only "
-                             f"{len(group['ns_coefficients'])} coefficient tuples")
+            raise ValueError(f"{where}: unknown lr_scale {group['lr_scale']!r}")
+        _check_number(where, "momentum", group["momentum"], low=0.0, below=1.0)
+        _check_bool(where, "nesterov", group["nesterov"])
+        if group["beta2"] is not None:
+            _check_number(where, "beta2", group["beta2"], low=0.0, below=1.0)
+        coefficients = group["ns_coefficients"]
+        if not isinstance(coefficients, (tuple, list)) or not all(
+                isinstance(abc, (tuple, list)) and len(abc) == 3 and all(_is_real(v) and math.isfinite(v) for v in abc)
+                for abc in coefficients):
+            raise ValueError(f"{where}: ns_coefficients must be a list of finite (a, b, c) triples")
+        ns_steps = group["ns_steps"]
+        if not isinstance(ns_steps, int) or isinstance(ns_steps, bool) or ns_steps < 0:
+            raise ValueError(f"{where}: ns_steps must be an int >= 0, got {ns_steps!r}")
+        if ns_steps > len(coefficients):
+            raise ValueError(f"{where}: ns_steps={ns_steps} but only {len(coefficients)} coefficient tuples")
 
     def _check_group(self, index: int, group: dict, names) -> None:
         kind = group["kind"]
@@ -232,42 +267,84 @@ class MuonAdamW(torch.optim.Optimizer):
     # Step
     # ------------------------------------------------------------------
 
+    def _group_signature(self) -> Tuple:
+        return tuple((tuple(id(p) for p in g["params"]), g["kind"], g.get("matrix_view")) for g in self.param_groups)
+
     def _get_buckets(self) -> List[_Bucket]:
+        signature = self._group_signature()
+        if self._buckets is not None and signature != self._buckets_signature:
+            raise ValueError("param_groups were changed in place (params, kind or matrix_view); add params with "
+                             "add_param_group, or build a new optimizer")
         if self._buckets is None:
             buckets: Dict[Tuple, _Bucket] = {}
             for info in self._info.values():
                 p, group = info.param, self.param_groups[info.group]
+                if p.numel() == 0:
+                    continue  # nothing to update; the kernels refuse zero-sized matrices
                 shape = _matrix_shape(p, group["matrix_view"], info.name) if info.kind == "muon" else None
                 key = (info.group, p.device, p.dtype, info.master, shape)
                 buckets.setdefault(key, _Bucket(info.group, info.kind, [])).params.append(p)
             self._buckets = list(buckets.values())
+            self._buckets_signature = signature
         return self._buckets
+
+    def _grad_of(self, p: torch.Tensor) -> Optional[torch.Tensor]:
+        """The param's gradient (self.grad_attr), checked against the param."""
+        grad = getattr(p, self.grad_attr, None)
+        if grad is None:
+            return None
+        label = self._info[id(p)].name
+        if not isinstance(grad, torch.Tensor):
+            raise TypeError(f"{label}: {self.grad_attr} must be a tensor, got {type(grad).__name__}")
+        if grad.layout != torch.strided:
+            raise TypeError(f"{label}: {self.grad_attr} has layout {grad.layout}; sparse gradients are not supported")
+        if grad.shape != p.shape:
+            raise ValueError(f"{label}: {self.grad_attr} has shape {tuple(grad.shape)}, the param {tuple(p.shape)}")
+        if grad.device != p.device:
+            raise ValueError(f"{label}: {self.grad_attr} is on {grad.device}, the param on {p.device}")
+        if grad.dtype not in _SUPPORTED_DTYPES:
+            raise TypeError(f"{label}: {self.grad_attr} has dtype {grad.dtype}; supported: float32, bfloat16, "
+                            "float16")
+        return grad if grad.is_contiguous() else grad.contiguous()
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None):
-        """One optimizer step over every param that has a gradient."""
+        """One optimizer step over every param that has a gradient.
+
+        Every group setting and gradient is checked before the first param is
+        written, so a bad one raises with the optimizer untouched."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._sync_masters_from_params()
-        scalers = _GradScalerInputs(getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
+        found_inf = getattr(self, "found_inf", None)
+        if self.grad_attr == "main_grad" and hasattr(self, "found_inf"):
+            raise ValueError("torch.amp.GradScaler looks for infs in .grad, but this optimizer steps on main_grad: "
+                             "an inf there would go unnoticed; unscale and check main grads yourself")
+        for index, group in enumerate(self.param_groups):
+            self._check_hyper(index, group)
+        work = []  # (bucket, group, params, grads) per bucket and grad dtype
         for bucket in self._get_buckets():
             group = self.param_groups[bucket.group]
-            by_grad_dtype: Dict[torch.dtype, List[Tuple[torch.Tensor, torch.Tensor]]] = {}
+            by_grad_dtype: Dict[torch.dtype, Tuple[List, List]] = {}
             for p in bucket.params:
-                grad = getattr(p, self.grad_attr, None)
+                grad = self._grad_of(p)
                 if grad is not None:
-                    by_grad_dtype.setdefault(grad.dtype, []).append((p, grad if grad.is_contiguous() else grad.contiguous()))
-            for pairs in by_grad_dtype.values():
-                params = [p for p, _ in pairs]
-                grads = [g for _, g in pairs]
-                inv_scale, found_inf = scalers.on(params[0].device)
-                if bucket.kind == "adamw":
-                    self._step_adamw(group, params, grads, inv_scale, found_inf)
-                else:
-                    self._step_muon(group, params, grads, inv_scale, found_inf)
-                torch.autograd.graph.increment_version(params)
+                    params, grads = by_grad_dtype.setdefault(grad.dtype, ([], []))
+                    params.append(p)
+                    grads.append(grad)
+            work.extend((bucket, group, params, grads) for params, grads in by_grad_dtype.values())
+
+        self._sync_masters_from_params()
+        scalers = _GradScalerInputs(getattr(self, "grad_scale", None),
+                                    found_inf if isinstance(found_inf, torch.Tensor) else None)
+        for bucket, group, params, grads in work:
+            inv_scale, found = scalers.on(params[0].device)
+            if bucket.kind == "adamw":
+                self._step_adamw(group, params, grads, inv_scale, found)
+            else:
+                self._step_muon(group, params, grads, inv_scale, found)
+            torch.autograd.graph.increment_version(params)
         return loss
 
     def _masters(self, params) -> List[torch.Tensor]:
@@ -415,6 +492,33 @@ class _GradScalerInputs:
             found = None if self.found_inf is None else self.found_inf.to(device, non_blocking=True).float().reshape(1)
             self.cache[device] = (inv, found)
         return self.cache[device]
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_number(where: str, name: str, value, low: float, below: Optional[float] = None) -> None:
+    """A finite real in [low, below) (or [low, inf) without `below`)."""
+    if not _is_real(value):
+        raise TypeError(f"{where}: {name} must be a number, got {type(value).__name__}")
+    if not math.isfinite(value) or value < low or (below is not None and value >= below):
+        bound = f"[{low}, {below})" if below is not None else f">= {low}"
+        raise ValueError(f"{where}: {name} must be in {bound}, got {value}")
+
+
+def _check_bool(where: str, name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{where}: {name} must be True or False, got {value!r}")
+
+
+def _check_lr(where: str, lr) -> None:
+    if isinstance(lr, torch.Tensor):
+        if lr.dtype != torch.float32 or lr.numel() != 1:
+            raise TypeError(f"{where}: a tensor lr must hold one float32 element, got {lr.dtype} "
+                            f"with {lr.numel()} elements")
+        return
+    _check_number(where, "lr", lr, low=0.0)
 
 
 def _label(group: int, kind: str, index: int, name: Optional[str]) -> str:

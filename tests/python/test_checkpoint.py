@@ -228,6 +228,11 @@ _CORRUPTIONS = {
     "ns_steps_above_coefficients": lambda sd: sd["param_groups"][1].update(ns_steps=9),
     "unknown_lr_scale": lambda sd: sd["param_groups"][1].update(lr_scale="spectral"),
     "matrix_view_changed": lambda sd: sd["param_groups"][1].update(matrix_view="flatten"),
+    "amsgrad": lambda sd: sd["param_groups"][-1].update(amsgrad=True),
+    "betas_scalar": lambda sd: sd["param_groups"][-1].update(betas=0.9),
+    "coefficient_pairs": lambda sd: sd["param_groups"][1].update(ns_steps=1, ns_coefficients=[(1.0, 2.0)]),
+    "master_on_meta": lambda sd: _last_adamw_entry(sd).update(master_param=torch.empty(12, device="meta")),
+    "exp_avg_sparse": lambda sd: _last_adamw_entry(sd).update(exp_avg=torch.zeros(12).to_sparse()),
 }
 
 
@@ -307,3 +312,42 @@ def test_state_dict_hooks_run_as_in_torch():
     assert calls[2:] == ["load_pre", "load_post"]
     assert "note" in saved
     assert [g["lr"] for g in target.param_groups] == [0.5] * 3
+
+
+def test_second_moment_checked_against_the_loaded_beta2():
+    """A saved group with NorMuon on, loaded where it is off: the buffer is
+    checked against the param's shape (not against absent state) and loaded."""
+    model, opt = _build("bf16_remainder")
+    _train(model, opt, range(2))
+    saved = copy.deepcopy(opt.state_dict())
+    target_model, target = _build("bf16_remainder", seed=1)
+    target.param_groups[0]["beta2"] = None
+    for p in target.param_groups[0]["params"]:
+        target.state[p].pop("second_momentum_buffer")
+    bad = copy.deepcopy(saved)
+    first = bad["state"][bad["param_groups"][0]["params"][0]]
+    first["second_momentum_buffer"] = first["second_momentum_buffer"].mT.contiguous()
+    snap = optimizer_snapshot(target)
+    with pytest.raises(ValueError, match="second_momentum_buffer"):
+        target.load_state_dict(bad)
+    assert_optimizer_unchanged(target, snap)
+    target.load_state_dict(saved)
+    p0 = target.param_groups[0]["params"][0]
+    assert target.param_groups[0]["beta2"] == 0.95
+    assert_bit_equal(target.state[p0]["second_momentum_buffer"], opt.state[model.fc1.weight]["second_momentum_buffer"])
+
+
+def test_params_missing_from_the_state_dict_start_fresh():
+    """As in torch, loading replaces the state: a param without an entry gets
+    zero moments and step, and its param as master."""
+    model, opt = _build("bf16_remainder")
+    _train(model, opt, range(2))
+    saved = copy.deepcopy(opt.state_dict())
+    saved["state"] = {}
+    opt.load_state_dict(saved)
+    for p in model.parameters():
+        state = opt.state[p]
+        for key in ("step", "exp_avg", "exp_avg_sq", "momentum_buffer", "second_momentum_buffer"):
+            if key in state:
+                assert not state[key].any(), key
+        assert_bit_equal(opt.get_full_parameter_master(p), p.detach().float())

@@ -77,6 +77,26 @@ def _bad_groups():
                                 "param_names": ["a"]}, ValueError, ["param group 1", "param_names"]),
         "fp8": ({"params": [P(torch.zeros(4, 4).to(torch.float8_e4m3fn), requires_grad=False)], "kind": "muon",
                  "param_names": ["w8"]}, TypeError, ["param group 1 (muon), param 0 'w8'", "float8_e4m3fn"]),
+        "params_set": ({"params": {P(torch.randn(3))}, "kind": "adamw"}, TypeError, ["param group 1", "set"]),
+        "betas_scalar": ({"params": [P(torch.randn(3))], "kind": "adamw", "betas": 0.9}, TypeError,
+                         ["param group 1 (adamw)", "betas must be a pair"]),
+        "eps_negative": ({"params": [P(torch.randn(3))], "kind": "adamw", "eps": -1.0}, ValueError,
+                         ["param group 1 (adamw)", "eps must be in"]),
+        "amsgrad": ({"params": [P(torch.randn(3))], "kind": "adamw", "amsgrad": True}, ValueError,
+                    ["param group 1 (adamw)", "amsgrad=True is not supported"]),
+        "lr_string": ({"params": [P(torch.randn(3))], "kind": "adamw", "lr": "0.1"}, TypeError,
+                      ["param group 1 (adamw)", "lr must be a number"]),
+        "momentum_above_one": ({"params": [P(torch.randn(3, 3))], "kind": "muon", "momentum": 1.5}, ValueError,
+                               ["param group 1 (muon)", "momentum must be in [0.0, 1.0)"]),
+        "nesterov_string": ({"params": [P(torch.randn(3, 3))], "kind": "muon", "nesterov": "no"}, TypeError,
+                            ["param group 1 (muon)", "nesterov must be True or False"]),
+        "ns_steps_float": ({"params": [P(torch.randn(3, 3))], "kind": "muon", "ns_steps": 2.5}, ValueError,
+                           ["param group 1 (muon)", "ns_steps must be an int"]),
+        "coefficient_pairs": ({"params": [P(torch.randn(3, 3))], "kind": "muon", "ns_steps": 1,
+                               "ns_coefficients": [(1.0, 2.0)]}, ValueError,
+                              ["param group 1 (muon)", "(a, b, c) triples"]),
+        "lr_tensor_float64": ({"params": [P(torch.randn(3))], "kind": "adamw", "lr": torch.tensor(0.1, dtype=torch.float64)},
+                              TypeError, ["param group 1 (adamw)", "one float32 element"]),
     }
 
 
@@ -526,3 +546,121 @@ def test_grad_scaler_finite_grads_equal_an_unscaled_run():
         for key, t in optimizer_tensors(o).items():
             assert_bit_equal(t, expected[key], key)
     assert scaler.get_scale() == 2.0**10
+
+
+# ---------------------------------------------------------------------------
+# step: everything checked before the first param is written
+# ---------------------------------------------------------------------------
+
+
+def _two_kind_optimizer(**kwargs):
+    """An AdamW bucket stepped before a Muon bucket, so a late failure would show."""
+    P = torch.nn.Parameter
+    a, w = P(torch.randn(8, dtype=torch.bfloat16)), P(torch.randn(16, 12, dtype=torch.bfloat16))
+    opt = MuonAdamW([{"params": [a], "kind": "adamw", "lr": 0.1}, {"params": [w], "kind": "muon", "lr": 0.1}],
+                    **kwargs)
+    return opt, a, w
+
+
+def _late_failures():
+    """name: (setup(opt, a, w, attr), error type, message fragment)."""
+    def grad(shape=None, dtype=torch.float32):
+        return lambda opt, a, w, attr: (setattr(a, attr, torch.randn(8)),
+                                        setattr(w, attr, torch.randn(shape or tuple(w.shape), dtype=dtype)))
+
+    def edit(key, value):
+        def apply(opt, a, w, attr):
+            grad()(opt, a, w, attr)
+            opt.param_groups[1 if key in ("lr_scale", "ns_steps") else 0][key] = value
+        return apply
+
+    return {
+        "grad_shape": (grad((16, 8)), ValueError, "main_grad has shape (16, 8), the param (16, 12)"),
+        "grad_float64": (grad(dtype=torch.float64), TypeError, "main_grad has dtype torch.float64"),
+        "lr_scale_typo": (edit("lr_scale", "orignal"), ValueError, "unknown lr_scale 'orignal'"),
+        "ns_steps_above_coefficients": (edit("ns_steps", 7), ValueError, "ns_steps=7 but only 5"),
+        "betas_scalar": (edit("betas", 0.9), TypeError, "betas must be a pair"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_late_failures()))
+def test_a_bad_grad_or_setting_anywhere_raises_before_any_param_is_written(case):
+    setup, exc_type, fragment = _late_failures()[case]
+    opt, a, w = _two_kind_optimizer(grad_attr="main_grad")
+    setup(opt, a, w, "main_grad")
+    snap = optimizer_snapshot(opt)
+    with pytest.raises(exc_type, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        opt.step()
+    assert_optimizer_unchanged(opt, snap)
+
+
+def test_sparse_grads_are_refused_by_name():
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    opt = MuonAdamW([{"params": [emb.weight], "kind": "adamw", "param_names": ["emb"]}])
+    emb(torch.tensor([1, 2])).sum().backward()
+    snap = optimizer_snapshot(opt)
+    with pytest.raises(TypeError, match="'emb': grad has layout torch.sparse_coo"):
+        opt.step()
+    assert_optimizer_unchanged(opt, snap)
+
+
+def test_zero_size_params_are_skipped():
+    P = torch.nn.Parameter
+    empty = [P(torch.zeros(0, 16)), P(torch.zeros(4, 0)), P(torch.zeros(3, 0, 5))]
+    w, b = P(torch.randn(6, 4)), P(torch.randn(4))
+    opt = MuonAdamW([{"params": empty + [w], "kind": "muon", "matrix_view": "batch"},
+                     {"params": [b], "kind": "adamw"}])
+    for p in empty + [w, b]:
+        p.grad = torch.ones_like(p)
+    before = (w.detach().clone(), b.detach().clone())
+    opt.step()
+    assert not torch.equal(w, before[0]) and not torch.equal(b, before[1])
+
+
+def test_params_added_to_a_group_in_place_are_refused():
+    opt, a, w = _two_kind_optimizer()
+    a.grad, w.grad = torch.randn(8).bfloat16(), torch.randn(16, 12).bfloat16()
+    opt.step()
+    extra = torch.nn.Parameter(torch.randn(5))
+    extra.grad = torch.ones(5)
+    opt.param_groups[0]["params"].append(extra)
+    snap = optimizer_snapshot(opt)
+    with pytest.raises(ValueError, match="changed in place"):
+        opt.step()
+    assert_optimizer_unchanged(opt, snap)
+
+
+def test_grad_scaler_with_main_grad_is_refused_and_without_grads_is_a_no_op():
+    opt, a, w = _two_kind_optimizer(grad_attr="main_grad")
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    scaler.scale(torch.ones(()))
+    a.main_grad, w.main_grad = torch.randn(8), torch.randn(16, 12)
+    snap = optimizer_snapshot(opt)
+    with pytest.raises(ValueError, match="GradScaler looks for infs in .grad"):
+        scaler.step(opt)
+    assert_optimizer_unchanged(opt, snap)
+
+    # With grad_attr="grad" and no grads at all, GradScaler hands over found_inf=0 (an int).
+    opt, a, w = _two_kind_optimizer()
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    scaler.scale(torch.ones(()))
+    snap = optimizer_snapshot(opt)
+    scaler.step(opt)
+    assert_optimizer_unchanged(opt, snap)
+
+
+def test_pending_master_reads_survive_deepcopy():
+    """A checkpoint without masters makes FP32 masters re-read the params at
+    next use (model weights may be loaded afterwards); copies keep that."""
+    w = torch.nn.Parameter(torch.randn(4, 4, dtype=torch.float16))
+    opt = MuonAdamW([{"params": [w], "kind": "adamw"}])
+    saved = opt.state_dict()
+    del saved["state"][0]["master_param"]
+    opt.load_state_dict(saved)
+    twin = copy.deepcopy(opt)
+    w_twin = twin.param_groups[0]["params"][0]
+    with torch.no_grad():
+        w.fill_(1.0)
+        w_twin.fill_(1.0)
+    assert opt.get_full_parameter_master(w).eq(1.0).all()
+    assert twin.get_full_parameter_master(w_twin).eq(1.0).all()

@@ -1,0 +1,81 @@
+"""muon_ext.param_groups: which params go to Muon and which to AdamW."""
+
+import torch
+import torch.nn.functional as F
+
+import muon_ext
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, d, hidden):
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(d)
+        self.qkv = torch.nn.Linear(d, 3 * d)
+        self.fc = torch.nn.Linear(d, hidden)
+        self.proj = torch.nn.Linear(hidden, d)
+
+
+class _GPT(torch.nn.Module):
+    """Token and position embeddings, blocks, and a head that is either an
+    untied nn.Linear named `head_name` or the token embedding (tied)."""
+
+    def __init__(self, vocab=64, positions=32, d=16, hidden=32, layers=2, head_name=None):
+        super().__init__()
+        self.wte = torch.nn.Embedding(vocab, d)
+        self.wpe = torch.nn.Embedding(positions, d)
+        self.blocks = torch.nn.ModuleList(_Block(d, hidden) for _ in range(layers))
+        if head_name is not None:
+            self.add_module(head_name, torch.nn.Linear(d, vocab, bias=False))
+        self.head_name = head_name
+
+    def forward(self, idx):
+        x = self.wte(idx)
+        head = self.wte.weight if self.head_name is None else getattr(self, self.head_name).weight
+        return F.linear(x, head)
+
+
+def _split(model, **kwargs):
+    groups = muon_ext.param_groups(model, **kwargs)
+    by_kind = {g["kind"]: set(g["param_names"]) for g in groups}
+    return by_kind.get("muon", set()), by_kind.get("adamw", set())
+
+
+def test_hidden_matrices_to_muon_embeddings_head_norms_biases_to_adamw():
+    muon, adamw = _split(_GPT(head_name="out"))  # a head name no pattern knows: found as the last Linear
+    hidden = {f"blocks.{i}.{n}.weight" for i in range(2) for n in ("qkv", "fc", "proj")}
+    assert muon == hidden
+    assert {"wte.weight", "wpe.weight", "out.weight", "blocks.0.ln.weight", "blocks.1.qkv.bias"} <= adamw
+    assert muon.isdisjoint(adamw)
+
+
+def test_a_hidden_layer_as_wide_as_an_embedding_stays_on_muon():
+    """Tied head, MLP width equal to the position embedding's size: no Linear is
+    the head, so every block's fc stays on Muon."""
+    muon, adamw = _split(_GPT(vocab=64, positions=32, hidden=32, head_name=None))
+    assert {"blocks.0.fc.weight", "blocks.1.fc.weight"} <= muon
+    assert "wte.weight" in adamw
+
+
+def test_heads_by_name_and_patterns():
+    muon, adamw = _split(_GPT(head_name="lm_head"))
+    assert "lm_head.weight" in adamw
+    muon, adamw = _split(_GPT(head_name="out"), adamw_patterns=[r"qkv"], muon_patterns=[r"^wpe\."])
+    assert "blocks.0.qkv.weight" in adamw and "wpe.weight" in muon
+
+
+def test_frozen_and_shared_params():
+    model = _GPT(head_name="out")
+    model.blocks[0].fc.weight.requires_grad_(False)
+    model.blocks[1].proj.weight = model.blocks[0].proj.weight  # shared: listed once
+    groups = muon_ext.param_groups(model)
+    listed = [p for g in groups for p in g["params"]]
+    assert len(listed) == len({id(p) for p in listed})
+    assert all(p is not model.blocks[0].fc.weight for p in listed)
+
+
+def test_conv_weights_go_to_muon_flattened():
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 8, 3))
+    groups = muon_ext.param_groups(model)
+    muon = next(g for g in groups if g["kind"] == "muon")
+    assert muon["param_names"] == ["0.weight", "2.weight"] and muon["matrix_view"] == "flatten"
+    muon_ext.MuonAdamW(groups)  # accepted as they are
