@@ -8,6 +8,7 @@
 
 #include "checks.h"
 #include "common/adamw_math.h"
+#include "common/polar_plan.h"
 #include "cpu/adamw_cpu.h"
 #include "cpu/muon_cpu.h"
 #include "muon_args.h"
@@ -237,8 +238,9 @@ void muon_step(const TensorList& params, const TensorList& grads, const TensorLi
   TORCH_CHECK_VALUE(weight_decay >= 0.0, "muon_step: weight_decay must be >= 0, got ", weight_decay);
   TORCH_CHECK_VALUE(max_workspace_bytes > 0, "muon_step: max_workspace_bytes must be positive, got ",
                     max_workspace_bytes);
-  TORCH_CHECK_VALUE(!polar_row_blocks.has_value() || *polar_row_blocks >= 1,
-                    "muon_step: polar_row_blocks must be >= 1 or None, got ", polar_row_blocks.value_or(0));
+  TORCH_CHECK_VALUE(!polar_row_blocks.has_value() || (*polar_row_blocks >= 1 && *polar_row_blocks <= kMaxPolarRowBlocks),
+                    "muon_step: polar_row_blocks must be in [1, ", kMaxPolarRowBlocks, "] or None, got ",
+                    polar_row_blocks.value_or(0));
   const MuonLrScale scale_mode = parse_lr_scale(lr_scale);
   options.coefficients = check_coefficients(ns_coefficients, ns_steps);
   options.lr = lr;

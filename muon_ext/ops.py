@@ -115,7 +115,7 @@ def muon_step(
     `lr_scale` ("original", "match_rms_adamw", "none") and cautious weight
     decay on the FP32 master; see DESIGN.md. Matrices are processed in chunks
     whose scratch stays under `max_workspace_bytes` (at least one matrix).
-    `polar_row_blocks` (>= 1) splits the symmetric products X X^T and A A into
+    `polar_row_blocks` (1..64) splits the symmetric products X X^T and A A into
     that many row blocks and multiplies only the upper block triangle (1: plain
     GEMMs); None takes the device's choice (CPU: side / 128, clamped to 1..8;
     CUDA: 1). It changes rounding only, never the math.

@@ -55,6 +55,9 @@ struct PolarOp {
   PolarBuffer from, to;
 };
 
+// Most row blocks a caller may ask for (more only add GEMM launches).
+constexpr int64_t kMaxPolarRowBlocks = 64;
+
 // Row-block boundaries 0 = b_0 < ... < b_n = side of `blocks` near-equal blocks
 // (clamped to 1..side; {0, 0} for side 0).
 inline std::vector<int64_t> polar_block_bounds(int64_t side, int64_t blocks) {

@@ -160,13 +160,13 @@ __global__ void __launch_bounds__(kWarpSize * kSumRows)
   const int64_t row = (blockIdx.x % groups) * kSumRows + threadIdx.y;
   if (row >= rows) return;  // the whole warp: only warp-level sync below
   const uint16_t* values = x + (matrix * rows + row) * cols;
-  float sum = 0.0f;
+  double sum = 0.0;  // in double, rounded to float once, as on the CPU
   for (int64_t c = threadIdx.x; c < cols; c += kWarpSize) {
-    const float v = bf16_bits_to_float(values[c]);
+    const double v = bf16_bits_to_float(values[c]);
     sum += v * v;
   }
   sum = warp_sum(sum);
-  if (threadIdx.x == 0) sums[matrix * rows + row] = sum;
+  if (threadIdx.x == 0) sums[matrix * rows + row] = static_cast<float>(sum);
 }
 
 // Sums of X^2 per column (rows < cols): thread (c, y) adds rows y, y +
@@ -177,22 +177,22 @@ __global__ void __launch_bounds__(kWarpSize * kSumRows)
     normuon_col_sums_kernel(const uint16_t* x, int64_t rows, int64_t cols, int64_t groups, float* sums,
                             const float* found_inf) {
   if (skip_step(found_inf)) return;
-  __shared__ float partials[kSumRows][kWarpSize];
+  __shared__ double partials[kSumRows][kWarpSize];
   const int64_t matrix = blockIdx.x / groups;
   const int64_t col = (blockIdx.x % groups) * kWarpSize + threadIdx.x;
-  float sum = 0.0f;
+  double sum = 0.0;  // in double, rounded to float once, as on the CPU
   if (col < cols) {
     for (int64_t r = threadIdx.y; r < rows; r += kSumRows) {
-      const float v = bf16_bits_to_float(x[(matrix * rows + r) * cols + col]);
+      const double v = bf16_bits_to_float(x[(matrix * rows + r) * cols + col]);
       sum += v * v;
     }
   }
   partials[threadIdx.y][threadIdx.x] = sum;
   __syncthreads();
   if (threadIdx.y != 0 || col >= cols) return;
-  float total = 0.0f;
+  double total = 0.0;
   for (int y = 0; y < kSumRows; ++y) total += partials[y][threadIdx.x];
-  sums[matrix * cols + col] = total;
+  sums[matrix * cols + col] = static_cast<float>(total);
 }
 
 struct NorMuonArgs {
@@ -313,8 +313,9 @@ void run_muon_step(const MuonBucket& bucket, const MuonStepOptions& options) {
   // All scratch of one matrix: X, the Polar-Express buffers, the partial sums
   // (FP64) and scale, and the NorMuon statistics.
   const int64_t fp32_scratch = 1 + (hyper.normuon ? stat_length : 0);
+  const bool orthogonalize = !options.coefficients.empty();
   const int64_t per_matrix_workspace_bytes = numel * int64_t(sizeof(uint16_t)) +
-                                             polar_express_workspace_bytes(rows, cols) +
+                                             (orthogonalize ? polar_express_workspace_bytes(rows, cols) : 0) +
                                              blocks_per_matrix * int64_t(sizeof(double)) +
                                              fp32_scratch * int64_t(sizeof(float));
   const int64_t capacity =
@@ -327,7 +328,8 @@ void run_muon_step(const MuonBucket& bucket, const MuonStepOptions& options) {
 
   const at::TensorOptions f32 = bucket.params.front().options().dtype(at::kFloat);
   const at::Tensor x = at::empty({capacity, rows, cols}, f32.dtype(at::kBFloat16));
-  const PolarExpressWorkspace polar = make_polar_express_workspace(capacity, rows, cols, f32);
+  const PolarExpressWorkspace polar =
+      make_polar_express_workspace(orthogonalize ? capacity : 0, rows, cols, f32);
   const at::Tensor partials = at::empty({capacity, blocks_per_matrix}, f32.dtype(at::kDouble));
   const at::Tensor scale = at::empty({capacity}, f32);
   const at::Tensor stats = hyper.normuon ? at::empty({capacity, stat_length}, f32) : at::Tensor();
@@ -365,7 +367,7 @@ void run_muon_step(const MuonBucket& bucket, const MuonStepOptions& options) {
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     momentum_pass(std::integral_constant<MomentumPass, MomentumPass::kWorkspace>{});
 
-    polar_express_bf16(x.narrow(0, 0, count), options.coefficients, polar, options.polar_row_blocks);
+    if (orthogonalize) polar_express_bf16(x.narrow(0, 0, count), options.coefficients, polar, options.polar_row_blocks);
 
     if (hyper.normuon) {
       const auto* x_bits = static_cast<const uint16_t*>(x.const_data_ptr());

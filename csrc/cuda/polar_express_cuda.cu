@@ -29,22 +29,23 @@ namespace {
 // Lower block triangle := transposed upper, per matrix, through 32x32 tiles in
 // shared memory so both the reads and the writes are coalesced. Bit copies.
 constexpr int kTile = 32;
-constexpr int kMaxRowBlocks = 64;
 
 struct BlockBounds {
-  int64_t value[kMaxRowBlocks + 1];
+  int64_t value[kMaxPolarRowBlocks + 1];
   int count;  // number of blocks
 };
 
-__device__ int block_of(const BlockBounds& bounds, int64_t i) {
+__device__ __forceinline__ int block_of(const BlockBounds& bounds, int64_t i) {
   int block = 0;
   while (block + 1 < bounds.count && bounds.value[block + 1] <= i) ++block;
   return block;
 }
 
-__global__ void mirror_upper_blocks_kernel(uint16_t* data, int64_t batch, int64_t side, BlockBounds bounds) {
+// blockIdx.x = tile_row * tiles + tile_col (one grid dimension: no 65535 cap).
+__global__ void mirror_upper_blocks_kernel(uint16_t* data, int64_t batch, int64_t side, int64_t tiles,
+                                           BlockBounds bounds) {
   __shared__ uint16_t tile[kTile][kTile + 1];
-  const int64_t tile_row = blockIdx.y, tile_col = blockIdx.x;
+  const int64_t tile_row = blockIdx.x / tiles, tile_col = blockIdx.x % tiles;
   if (tile_col > tile_row) return;  // tiles wholly above the diagonal receive nothing
   const int64_t row0 = tile_row * kTile, col0 = tile_col * kTile;
   for (int64_t m = blockIdx.z; m < batch; m += gridDim.z) {
@@ -119,8 +120,9 @@ void polar_express_bf16(const at::Tensor& x, const std::vector<std::array<float,
               "polar_express_bf16: the workspace does not fit x");
   if (batch == 0 || s == 0 || coefficients.empty()) return;
 
-  const std::vector<int64_t> bounds =
-      polar_block_bounds(s, std::min<int64_t>(row_blocks > 0 ? row_blocks : polar_row_blocks_cuda(s), kMaxRowBlocks));
+  TORCH_CHECK(row_blocks <= kMaxPolarRowBlocks, "polar_express_bf16: row_blocks ", row_blocks, " above ",
+              kMaxPolarRowBlocks);
+  const std::vector<int64_t> bounds = polar_block_bounds(s, row_blocks > 0 ? row_blocks : polar_row_blocks_cuda(s));
   const std::vector<PolarOp> plan = polar_iteration_plan(rows, cols, bounds);
   BlockBounds device_bounds{};
   device_bounds.count = static_cast<int>(bounds.size()) - 1;
@@ -140,9 +142,10 @@ void polar_express_bf16(const at::Tensor& x, const std::vector<std::array<float,
   // No split-K partial sums in BF16: each GEMM output is rounded to BF16 once.
   const MathModeGuard math_mode(
       handle, static_cast<cublasMath_t>(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION));
+  const int64_t tiles = (s + kTile - 1) / kTile;
+  TORCH_CHECK(tiles * tiles <= std::numeric_limits<int>::max(), "polar_express_bf16: side ", s, " too large");
   const dim3 mirror_threads(kTile, 8);
-  const dim3 mirror_grid(static_cast<unsigned>((s + kTile - 1) / kTile), static_cast<unsigned>((s + kTile - 1) / kTile),
-                         static_cast<unsigned>(std::min<int64_t>(batch, 65535)));
+  const dim3 mirror_grid(static_cast<unsigned>(tiles * tiles), 1, static_cast<unsigned>(std::min<int64_t>(batch, 65535)));
 
   for (const std::array<float, 3>& abc : coefficients) {
     for (const PolarOp& op : plan) {
@@ -166,7 +169,7 @@ void polar_express_bf16(const at::Tensor& x, const std::vector<std::array<float,
           break;
         case PolarOp::Kind::kMirror:
           mirror_upper_blocks_kernel<<<mirror_grid, mirror_threads, 0, stream>>>(
-              static_cast<uint16_t*>(address(op.to, 0)), batch, s, device_bounds);
+              static_cast<uint16_t*>(address(op.to, 0)), batch, s, tiles, device_bounds);
           C10_CUDA_KERNEL_LAUNCH_CHECK();
           break;
       }

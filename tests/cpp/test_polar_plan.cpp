@@ -151,6 +151,34 @@ TEST(PolarPlan, PlainPlanIsTheThreeGemmsOfTheCudaKernel) {
   }
 }
 
+// cuBLAS rejects (CUBLAS_STATUS_INVALID_VALUE) a leading dimension below the
+// stored operand's row count; every operand must also stay inside its slot.
+TEST(PolarPlan, EveryGemmMeetsCublasRules) {
+  for (int64_t rows = 1; rows <= 24; ++rows) {
+    for (int64_t cols = 1; cols <= 24; ++cols) {
+      const int64_t side = std::min(rows, cols);
+      for (int64_t blocks : {1, 2, 3, 5, 64}) {
+        for (const PolarOp& op : polar_iteration_plan(rows, cols, polar_block_bounds(side, blocks))) {
+          if (op.kind != PolarOp::Kind::kGemm) continue;
+          const ColumnMajorGemm g = to_column_major(op);
+          // Stored column-major shapes: A is m x k (k x m when transposed), B is k x n (n x k), C is m x n.
+          const int64_t a_rows = g.trans_a ? g.k : g.m, a_cols = g.trans_a ? g.m : g.k;
+          const int64_t b_rows = g.trans_b ? g.n : g.k, b_cols = g.trans_b ? g.k : g.n;
+          ASSERT_GE(g.lda, std::max<int64_t>(1, a_rows));
+          ASSERT_GE(g.ldb, std::max<int64_t>(1, b_rows));
+          ASSERT_GE(g.ldc, std::max<int64_t>(1, g.m));
+          auto last = [](int64_t offset, int64_t r, int64_t c, int64_t ld) { return offset + (c - 1) * ld + r - 1; };
+          ASSERT_LT(last(g.a_offset, a_rows, a_cols, g.lda), polar_buffer_numel(g.a, rows, cols));
+          ASSERT_LT(last(g.b_offset, b_rows, b_cols, g.ldb), polar_buffer_numel(g.b, rows, cols));
+          ASSERT_LT(last(g.c_offset, g.m, g.n, g.ldc), polar_buffer_numel(g.c, rows, cols));
+          ASSERT_NE(g.c, g.a);
+          ASSERT_NE(g.c, g.b);
+        }
+      }
+    }
+  }
+}
+
 TEST(PolarPlan, BlocksSaveGemmWork) {
   auto gemm_work = [](int64_t rows, int64_t cols, int64_t blocks) {
     int64_t work = 0;
