@@ -351,3 +351,12 @@ def test_params_missing_from_the_state_dict_start_fresh():
             if key in state:
                 assert not state[key].any(), key
         assert_bit_equal(opt.get_full_parameter_master(p), p.detach().float())
+
+
+def test_unknown_state_entries_are_kept():
+    model, opt = _build("bf16_remainder")
+    _train(model, opt, range(1))
+    saved = copy.deepcopy(opt.state_dict())
+    _last_adamw_entry(saved)["ema_of_update"] = torch.full((12,), 3.0)
+    opt.load_state_dict(saved)
+    assert torch.equal(opt.state[model.ln.bias]["ema_of_update"], torch.full((12,), 3.0))

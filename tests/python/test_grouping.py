@@ -79,3 +79,13 @@ def test_conv_weights_go_to_muon_flattened():
     muon = next(g for g in groups if g["kind"] == "muon")
     assert muon["param_names"] == ["0.weight", "2.weight"] and muon["matrix_view"] == "flatten"
     muon_ext.MuonAdamW(groups)  # accepted as they are
+
+
+def test_group_settings():
+    groups = muon_ext.param_groups(_GPT(head_name="out"), lr=0.03, adamw_lr=1e-3, weight_decay=0.2,
+                                   adamw_weight_decay=0.01, momentum=0.9, beta2=None)
+    muon, adamw = groups
+    assert (muon["kind"], muon["lr"], muon["weight_decay"], muon["matrix_view"]) == ("muon", 0.03, 0.2, "flatten")
+    assert muon["momentum"] == 0.9 and muon["beta2"] is None
+    assert (adamw["kind"], adamw["lr"], adamw["weight_decay"]) == ("adamw", 1e-3, 0.01)
+    assert len(muon["params"]) == len(muon["param_names"]) and len(adamw["params"]) == len(adamw["param_names"])

@@ -77,6 +77,8 @@ CASES = {
                         "polar_row_blocks must be in [1, 64] or None"),
     "row blocks above 64": (_replace("polar_row_blocks", lambda v, s: 65), ValueError,
                             "polar_row_blocks must be in [1, 64] or None"),
+    "row blocks bool": (_replace("polar_row_blocks", lambda v, s: True), TypeError,
+                        "polar_row_blocks must be an int or None"),
     "row blocks float": (_replace("polar_row_blocks", lambda v, s: 2.0), TypeError,
                          "polar_row_blocks must be an int or None"),
     "found_inf int": (_replace("found_inf", lambda v, s: torch.zeros(1, dtype=torch.int32)), TypeError,

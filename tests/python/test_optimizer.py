@@ -56,6 +56,10 @@ def test_group_defaults_and_extra_keys():
 _GOOD = torch.nn.Parameter(torch.randn(6, 4))
 
 
+class _Subclass(torch.Tensor):
+    """Stands in for a quantized tensor subclass (e.g. TransformerEngine's Float8Tensor)."""
+
+
 def _bad_groups():
     """(second group, error type, message fragments): the first group is [_GOOD] as Muon."""
     P = torch.nn.Parameter
@@ -78,6 +82,16 @@ def _bad_groups():
         "fp8": ({"params": [P(torch.zeros(4, 4).to(torch.float8_e4m3fn), requires_grad=False)], "kind": "muon",
                  "param_names": ["w8"]}, TypeError, ["param group 1 (muon), param 0 'w8'", "float8_e4m3fn"]),
         "params_set": ({"params": {P(torch.randn(3))}, "kind": "adamw"}, TypeError, ["param group 1", "set"]),
+        "non_leaf": ({"params": [P(torch.randn(3)) * 2], "kind": "adamw"}, ValueError,
+                     ["param group 1 (adamw), param 0", "non-leaf"]),
+        "non_contiguous": ({"params": [P(torch.randn(5, 4).t())], "kind": "muon"}, ValueError,
+                           ["param group 1 (muon), param 0", "contiguous"]),
+        "matrix_view_unknown": ({"params": [P(torch.randn(3, 3))], "kind": "muon", "matrix_view": "rows"}, ValueError,
+                                ["param group 1 (muon)", "matrix_view must be"]),
+        "lr_scale_unknown": ({"params": [P(torch.randn(3, 3))], "kind": "muon", "lr_scale": "spectral"}, ValueError,
+                             ["param group 1 (muon)", "unknown lr_scale"]),
+        "tensor_subclass": ({"params": [P(_Subclass(torch.randn(3)))], "kind": "adamw"}, TypeError,
+                            ["param group 1 (adamw), param 0", "tensor subclasses"]),
         "betas_scalar": ({"params": [P(torch.randn(3))], "kind": "adamw", "betas": 0.9}, TypeError,
                          ["param group 1 (adamw)", "betas must be a pair"]),
         "eps_negative": ({"params": [P(torch.randn(3))], "kind": "adamw", "eps": -1.0}, ValueError,
@@ -105,6 +119,10 @@ def _check_message(exc, fragments):
         assert fragment in str(exc.value), f"{fragment!r} not in {str(exc.value)!r}"
 
 
+_NON_LEAF_GRAD_WARNING = "ignore:The .grad attribute of a Tensor that is not a leaf"
+
+
+@pytest.mark.filterwarnings(_NON_LEAF_GRAD_WARNING)
 @pytest.mark.parametrize("case", list(_bad_groups()))
 def test_construction_errors_name_group_and_param(case):
     """Each bad group raises at construction, naming group and param, and writes
@@ -119,6 +137,7 @@ def test_construction_errors_name_group_and_param(case):
         assert torch.equal(bits(p), b) and p.requires_grad == rg and p.grad is g
 
 
+@pytest.mark.filterwarnings(_NON_LEAF_GRAD_WARNING)
 @pytest.mark.parametrize("case", list(_bad_groups()))
 def test_add_param_group_validates_the_same_way(case):
     """add_param_group refuses the same groups with the same messages; the
@@ -664,3 +683,145 @@ def test_pending_master_reads_survive_deepcopy():
         w_twin.fill_(1.0)
     assert opt.get_full_parameter_master(w).eq(1.0).all()
     assert twin.get_full_parameter_master(w_twin).eq(1.0).all()
+
+
+@pytest.mark.parametrize("kwargs,exc_type,fragment", [
+    (dict(master_weights="yes"), ValueError, "master_weights must be"),
+    (dict(grad_attr="wgrad"), ValueError, "grad_attr must be"),
+    (dict(max_workspace_bytes=0), ValueError, "max_workspace_bytes must be positive"),
+])
+def test_constructor_arguments_are_checked(kwargs, exc_type, fragment):
+    with pytest.raises(exc_type, match=fragment):
+        MuonAdamW([{"params": [torch.nn.Parameter(torch.randn(4, 4))], "kind": "muon"}], **kwargs)
+    with pytest.raises(TypeError, match="list of param groups, not a Parameter"):
+        MuonAdamW(torch.nn.Parameter(torch.randn(4, 4)))
+
+
+# ---------------------------------------------------------------------------
+# every setting reaches the kernels; less common paths
+# ---------------------------------------------------------------------------
+
+
+def test_every_non_default_group_setting_reaches_the_kernels():
+    """Each group key set away from its default, the expected run driven
+    through ops.* with the same values written as literals."""
+    shapes = [(16, 24), (16, 24), (40,)]
+    values = bf16_values(shapes)
+    params = as_params(values, torch.bfloat16)
+    coefficients = [(3.0, -3.2, 1.2), (2.5, -1.5, 0.5), (2.0, -1.4, 0.4)]
+    opt = MuonAdamW([
+        {"params": params[:2], "kind": "muon", "lr": 0.03, "momentum": 0.9, "nesterov": False, "beta2": None,
+         "weight_decay": 0.2, "ns_steps": 3, "ns_coefficients": coefficients, "lr_scale": "match_rms_adamw"},
+        {"params": params[2:], "kind": "adamw", "lr": 0.01, "betas": (0.8, 0.99), "eps": 1e-3,
+         "weight_decay": 0.05, "adam_w_mode": False, "bias_correction": False}])
+    m_p = [v.bfloat16() for v in values[:2]]
+    m_rem = [torch.zeros(shapes[0], dtype=torch.int16) for _ in range(2)]
+    m_mom = [torch.zeros(shapes[0]) for _ in range(2)]
+    a_p, a_rem = values[2].bfloat16(), torch.zeros(40, dtype=torch.int16)
+    a_m, a_v, a_s = torch.zeros(40), torch.zeros(40), torch.zeros(())
+    for grads in grad_seq(shapes, 3):
+        set_grads(params, grads)
+        opt.step()
+        ops.muon_step(m_p, [g.bfloat16() for g in grads[:2]], m_mom, [], masters=m_rem, lr=0.03, momentum=0.9,
+                      nesterov=False, beta2=None, weight_decay=0.2, ns_steps=3, ns_coefficients=coefficients,
+                      lr_scale="match_rms_adamw")
+        ops.adamw_step([a_p], [grads[2].bfloat16()], [a_m], [a_v], [a_s], masters=[a_rem], lr=0.01, beta1=0.8,
+                       beta2=0.99, eps=1e-3, weight_decay=0.05, adam_w_mode=False, bias_correction=False)
+    for i in range(2):
+        assert_bit_equal(params[i].detach(), m_p[i], f"muon param {i}")
+        assert_bit_equal(opt.state[params[i]]["master_param"], m_rem[i], f"muon remainder {i}")
+    assert "second_momentum_buffer" not in opt.state[params[0]]
+    assert_bit_equal(params[2].detach(), a_p, "adamw param")
+    assert_bit_equal(opt.state[params[2]]["exp_avg_sq"], a_v, "exp_avg_sq")
+
+
+def test_fp16_params_get_an_fp32_master():
+    w = torch.nn.Parameter(bf16_values([(12, 20)])[0].half())
+    opt = MuonAdamW([{"params": [w], "kind": "muon", "lr": 0.05}])
+    master, mom, smb = w.detach().float(), torch.zeros(12, 20), torch.zeros(1, 20)
+    p = w.detach().clone()
+    for grads in grad_seq([(12, 20)], 3):
+        set_grads([w], grads)
+        opt.step()
+        ops.muon_step([p], [grads[0].half()], [mom], [smb], masters=[master], lr=0.05)
+    assert opt.state[w]["master_param"].dtype == torch.float32
+    assert_bit_equal(opt.state[w]["master_param"], master)
+    assert_bit_equal(w.detach(), p)
+
+
+def test_non_contiguous_and_mixed_dtype_grads_step_like_fp32_contiguous_ones():
+    """A transposed-view grad is made contiguous; BF16 and FP32 main grads in
+    one bucket are stepped per grad dtype. Values are BF16-representable, so
+    the run equals one with all-FP32 contiguous grads bit for bit."""
+    shapes = [(16, 24), (16, 24), (40,), (40,)]
+    values = bf16_values(shapes)
+    runs = []
+    for mixed in (True, False):
+        params = as_params(values, torch.bfloat16)
+        opt = MuonAdamW([{"params": params[:2], "kind": "muon", "lr": 0.02},
+                         {"params": params[2:], "kind": "adamw", "lr": 0.01}], grad_attr="main_grad")
+        for grads in grad_seq(shapes, 2):
+            for i, (p, g) in enumerate(zip(params, grads)):
+                if mixed and i == 0:
+                    g = g.t().contiguous().t()  # non-contiguous view
+                p.main_grad = g.bfloat16() if mixed and i % 2 == 1 else g
+            opt.step()
+        runs.append((params, opt))
+    (mixed_params, mixed_opt), (plain_params, plain_opt) = runs
+    for key, t in optimizer_tensors(mixed_opt).items():
+        assert_bit_equal(t, optimizer_tensors(plain_opt)[key], key)
+
+
+def test_beta2_switched_on_after_construction_starts_normuon_fresh():
+    w = torch.nn.Parameter(bf16_values([(12, 20)])[0])
+    opt = MuonAdamW([{"params": [w], "kind": "muon", "lr": 0.05, "beta2": None}])
+    p, mom, smb = w.detach().clone(), torch.zeros(12, 20), torch.zeros(1, 20)
+    for k, grads in enumerate(grad_seq([(12, 20)], 3)):
+        beta2 = None if k == 0 else 0.9
+        opt.param_groups[0]["beta2"] = beta2
+        set_grads([w], grads)
+        opt.step()
+        ops.muon_step([p], grads, [mom], [] if beta2 is None else [smb], lr=0.05, beta2=beta2)
+    assert_bit_equal(w.detach(), p)
+    assert_bit_equal(opt.state[w]["second_momentum_buffer"], smb)
+
+
+def test_update_param_after_loading_a_checkpoint_without_masters():
+    """A pending 're-read the master from the param' must not override values
+    given to update_param afterwards: the master keeps their FP32 bits."""
+    w = torch.nn.Parameter(torch.randn(6, 8).bfloat16())
+    opt = MuonAdamW([{"params": [w], "kind": "adamw"}], store_param_remainders=False)
+    saved = opt.state_dict()
+    del saved["state"][0]["master_param"]
+    opt.load_state_dict(saved)
+    values = torch.randn(6, 8)
+    opt.update_param(w, values)
+    assert_bit_equal(opt.get_full_parameter_master(w), values)
+
+
+def test_step_bumps_version_counters():
+    """Autograd must see the in-place update (a graph that saved the param
+    before the step then fails loudly in backward instead of using stale values)."""
+    w, b = torch.nn.Parameter(torch.randn(6, 4)), torch.nn.Parameter(torch.randn(4))
+    opt = MuonAdamW([{"params": [w], "kind": "muon"}, {"params": [b], "kind": "adamw"}])
+    w.grad, b.grad = torch.ones(6, 4), torch.ones(4)
+    versions = (w._version, b._version)
+    opt.step()
+    assert w._version > versions[0] and b._version > versions[1]
+    version = w._version
+    opt.update_param(w, torch.zeros(6, 4))
+    assert w._version > version
+
+
+def test_max_workspace_bytes_reaches_the_muon_kernel(monkeypatch):
+    seen = []
+    real = ops.muon_step
+    monkeypatch.setattr(ops, "muon_step", lambda *a, **k: (seen.append(k["max_workspace_bytes"]), real(*a, **k)))
+    w = torch.nn.Parameter(torch.randn(6, 4))
+    opt = MuonAdamW([{"params": [w], "kind": "muon"}], max_workspace_bytes=12345)
+    w.grad = torch.ones(6, 4)
+    opt.step()
+    assert seen == [12345]
+    twin = copy.deepcopy(MuonAdamW([{"params": [torch.nn.Parameter(torch.randn(4, 4))], "kind": "muon"}],
+                                   grad_attr="main_grad", max_workspace_bytes=999))
+    assert twin.grad_attr == "main_grad" and twin.max_workspace_bytes == 999
