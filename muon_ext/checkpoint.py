@@ -65,7 +65,11 @@ def load_optimizer_state(opt: "MuonAdamW", state_dict: dict) -> None:
             plan.append((p, entry))
 
     for saved, group in zip(saved_groups, opt.param_groups):
+        lr = group["lr"]
         group.update({k: v for k, v in saved.items() if k != "params"})
+        if opt.capturable and isinstance(lr, torch.Tensor):
+            lr.copy_(torch.as_tensor(group["lr"], dtype=torch.float32).reshape(lr.shape))  # keep graph-captured lr
+            group["lr"] = lr
     for p, entry in plan:
         opt._masters_from_params.discard(id(p))
         _load_entry(opt, p, entry)

@@ -73,6 +73,9 @@ class MuonAdamW(torch.optim.Optimizer):
         store_param_remainders: keep BF16 masters as int16 remainders (2 bytes
             per param instead of 4) rather than FP32 tensors.
         grad_attr: "grad", or "main_grad" for Megatron-style FP32 main grads.
+        capturable: keep each group's lr as a one-element float32 tensor on its
+            params' device (schedulers update it in place), so that a step can
+            be captured in a CUDA graph; a float lr there would be baked in.
         max_workspace_bytes: bound on Muon's transient scratch per chunk.
     Works with torch.amp.GradScaler: grads are unscaled in the kernels and a
     found inf skips the whole step.
@@ -87,6 +90,7 @@ class MuonAdamW(torch.optim.Optimizer):
         master_weights="auto",
         store_param_remainders: bool = True,
         grad_attr: str = "grad",
+        capturable: bool = False,
         max_workspace_bytes: int = ops.DEFAULT_MAX_WORKSPACE_BYTES,
     ):
         if master_weights not in ("auto", True, False):
@@ -98,6 +102,7 @@ class MuonAdamW(torch.optim.Optimizer):
         self.master_weights = master_weights
         self.store_param_remainders = bool(store_param_remainders)
         self.grad_attr = grad_attr
+        self.capturable = bool(capturable)
         self.max_workspace_bytes = int(max_workspace_bytes)
         self._info: Dict[int, _ParamInfo] = {}
         self._buckets: Optional[List[_Bucket]] = None
@@ -119,12 +124,14 @@ class MuonAdamW(torch.optim.Optimizer):
         pending = [(info.group, info.index) for info in self._info.values() if id(info.param) in self._masters_from_params]
         state.update(master_weights=self.master_weights, store_param_remainders=self.store_param_remainders,
                      grad_attr=self.grad_attr, max_workspace_bytes=self.max_workspace_bytes,
+                     capturable=self.capturable,
                      _pending_master_reads=pending)
         return state
 
     def __setstate__(self, state: dict) -> None:
         """After copy.deepcopy / unpickling: the per-param table is keyed by id, so rebuild it."""
         pending = state.pop("_pending_master_reads", [])
+        state.setdefault("capturable", False)
         super().__setstate__(state)
         self._buckets = None
         self._buckets_signature = ()
@@ -161,6 +168,8 @@ class MuonAdamW(torch.optim.Optimizer):
             group.setdefault(key, value)
         group["params"] = params
         self._check_group(index, group, names)
+        if self.capturable:
+            group["lr"] = _device_lr(group["lr"], params[0].device if params else torch.device("cpu"))
 
         infos = []
         for i, (p, name) in enumerate(zip(params, names)):
@@ -321,13 +330,21 @@ class MuonAdamW(torch.optim.Optimizer):
         if self.grad_attr == "main_grad" and hasattr(self, "found_inf"):
             raise ValueError("torch.amp.GradScaler looks for infs in .grad, but this optimizer steps on main_grad: "
                              "an inf there would go unnoticed; unscale and check main grads yourself")
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
         for index, group in enumerate(self.param_groups):
             self._check_hyper(index, group)
+            lr = group["lr"]
+            if capturing and group["params"] and not (isinstance(lr, torch.Tensor) and lr.device == group["params"][0].device):
+                raise RuntimeError(f"param group {index}: capturing a step needs its lr as a tensor on the params' "
+                                   "device (construct with capturable=True); a float lr would be baked into the graph")
         work = []  # (bucket, group, params, grads) per bucket and grad dtype
         for bucket in self._get_buckets():
             group = self.param_groups[bucket.group]
             by_grad_dtype: Dict[torch.dtype, Tuple[List, List]] = {}
             for p in bucket.params:
+                if not p.is_contiguous():  # e.g. model.to(memory_format=...) after construction
+                    raise ValueError(f"{self._info[id(p)].name} is no longer contiguous; params must stay "
+                                     "contiguous")
                 grad = self._grad_of(p)
                 if grad is not None:
                     params, grads = by_grad_dtype.setdefault(grad.dtype, ([], []))
@@ -396,6 +413,9 @@ class MuonAdamW(torch.optim.Optimizer):
             raise TypeError(f"update_param: values must be a tensor, got {type(values).__name__}")
         if _is_dtensor(values):
             raise TypeError("update_param: DTensor values are not supported (this optimizer has no DTensor params)")
+        if values.layout != torch.strided or values.is_meta:
+            raise TypeError(f"update_param: values must be a dense tensor with data, got layout {values.layout} "
+                            f"on {values.device}")
         if values.dtype != torch.float32:
             raise TypeError(f"update_param: values must be float32, got {values.dtype}")
         if tuple(values.shape) != tuple(param.shape):
@@ -492,6 +512,15 @@ class _GradScalerInputs:
             found = None if self.found_inf is None else self.found_inf.to(device, non_blocking=True).float().reshape(1)
             self.cache[device] = (inv, found)
         return self.cache[device]
+
+
+def _device_lr(lr, device: torch.device) -> torch.Tensor:
+    """lr as a one-element float32 tensor on `device` (a float32 tensor already there is kept)."""
+    if isinstance(lr, torch.Tensor):
+        if lr.dtype == torch.float32 and lr.device == device and lr.numel() == 1:
+            return lr
+        return lr.detach().to(device=device, dtype=torch.float32).reshape(())
+    return torch.tensor(float(lr), dtype=torch.float32, device=device)
 
 
 def _is_real(value) -> bool:

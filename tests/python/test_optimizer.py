@@ -825,3 +825,45 @@ def test_max_workspace_bytes_reaches_the_muon_kernel(monkeypatch):
     twin = copy.deepcopy(MuonAdamW([{"params": [torch.nn.Parameter(torch.randn(4, 4))], "kind": "muon"}],
                                    grad_attr="main_grad", max_workspace_bytes=999))
     assert twin.grad_attr == "main_grad" and twin.max_workspace_bytes == 999
+
+
+def test_capturable_keeps_lr_as_a_tensor_that_schedulers_and_loading_update_in_place():
+    """capturable=True: each group's lr is a float32 tensor on its params'
+    device; StepLR and load_state_dict write into that same tensor (a captured
+    graph keeps reading it), and the run equals float lrs bit for bit."""
+    shapes = [(16, 24), (40,)]
+    values = bf16_values(shapes)
+    runs = []
+    for capturable in (True, False):
+        params = as_params(values, torch.bfloat16)
+        opt = MuonAdamW([{"params": params[:1], "kind": "muon", "lr": 0.02},
+                         {"params": params[1:], "kind": "adamw", "lr": 0.01}], capturable=capturable)
+        lrs = [g["lr"] for g in opt.param_groups]
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        for grads in grad_seq(shapes, 3):
+            set_grads(params, grads)
+            opt.step()
+            scheduler.step()
+        runs.append((params, opt, lrs))
+    (params, opt, lrs), (float_params, float_opt, _) = runs
+    for lr, group in zip(lrs, opt.param_groups):
+        assert isinstance(lr, torch.Tensor) and lr.dtype == torch.float32 and group["lr"] is lr
+    assert [g["lr"].item() for g in opt.param_groups] == [torch.tensor(0.02 / 8).item(), torch.tensor(0.01 / 8).item()]
+    for key, t in optimizer_tensors(opt).items():
+        assert_bit_equal(t, optimizer_tensors(float_opt)[key], key)
+    saved = copy.deepcopy(float_opt.state_dict())
+    saved["param_groups"][0]["lr"] = 0.125
+    opt.load_state_dict(saved)
+    assert opt.param_groups[0]["lr"] is lrs[0] and float(lrs[0]) == 0.125
+    assert copy.deepcopy(opt).capturable
+
+
+def test_a_param_made_non_contiguous_after_construction_is_refused_by_name():
+    conv = torch.nn.Conv2d(4, 8, 3)
+    opt = MuonAdamW([{"params": [conv.weight], "kind": "muon", "matrix_view": "flatten", "param_names": ["conv"]}])
+    conv.to(memory_format=torch.channels_last)
+    conv.weight.grad = torch.ones_like(conv.weight)
+    snap = optimizer_snapshot(opt)
+    with pytest.raises(ValueError, match="'conv' is no longer contiguous"):
+        opt.step()
+    assert_optimizer_unchanged(opt, snap)

@@ -155,15 +155,19 @@ def test_update_param_is_refused_during_graph_capture():
     assert_bit_equal(opt.get_full_parameter_master(params[0]), values, "master")
 
 
-def test_step_captured_in_a_cuda_graph_replays_like_eager():
-    """With lr as device tensors, a whole step (both kinds of groups, Muon
-    workspaces from the graph's pool) captures into a CUDA graph; replays with
-    new grads and a changed lr give the same bits as eager steps."""
-    eager_params, eager = _build("cuda")
-    graph_params, graphed = _build("cuda")
+@pytest.mark.parametrize("how", ["capturable", "lr_tensors_by_hand"])
+def test_step_captured_in_a_cuda_graph_replays_like_eager(how):
+    """With lr as device tensors (capturable=True, or set by hand), a whole step
+    (both kinds of groups, Muon workspaces from the graph's pool) captures into
+    a CUDA graph; replays with new grads and a changed lr give the same bits as
+    eager steps."""
+    kwargs = dict(capturable=True) if how == "capturable" else {}
+    eager_params, eager = _build("cuda", **kwargs)
+    graph_params, graphed = _build("cuda", **kwargs)
     for opt in (eager, graphed):
         for group in opt.param_groups:
-            group["lr"] = torch.tensor([group["lr"]], device="cuda")
+            if not isinstance(group["lr"], torch.Tensor):
+                group["lr"] = torch.tensor([group["lr"]], device="cuda")
     static_grads = [torch.zeros_like(p) for p in graph_params]
     for p, g in zip(graph_params, static_grads):
         p.grad = g
@@ -171,9 +175,10 @@ def test_step_captured_in_a_cuda_graph_replays_like_eager():
     # Warm up on a side stream (first-use allocations), then capture one step.
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    warm = _build("cuda")[1]
+    warm = _build("cuda", **kwargs)[1]
     for group in warm.param_groups:
-        group["lr"] = torch.tensor([group["lr"]], device="cuda")
+        if not isinstance(group["lr"], torch.Tensor):
+            group["lr"] = torch.tensor([group["lr"]], device="cuda")
     with torch.cuda.stream(side):
         _set_grads([p for g in warm.param_groups for p in g["params"]], _grads(0, graph_params))
         warm.step()
@@ -196,3 +201,15 @@ def test_step_captured_in_a_cuda_graph_replays_like_eager():
     torch.cuda.synchronize()
     for (name, a), b in zip(optimizer_tensors(graphed).items(), optimizer_tensors(eager).values()):
         assert_bit_equal(a, b, name)
+
+
+def test_capture_with_a_float_lr_is_refused():
+    params, opt = _build("cuda")
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()  # warm-up outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="capturable=True"):
+        with torch.cuda.graph(graph):
+            opt.step()

@@ -135,6 +135,8 @@ _BAD_CALLS = {
     "values_flattened": (lambda p: p, lambda p: torch.zeros(240), ValueError, "shape"),
     "values_transposed": (lambda p: p, lambda p: torch.zeros(20, 12), ValueError, "shape"),
     "values_not_a_tensor": (lambda p: p, lambda p: torch.zeros(p.shape).tolist(), TypeError, "tensor"),
+    "values_sparse": (lambda p: p, lambda p: torch.zeros(p.shape).to_sparse(), TypeError, "dense tensor"),
+    "values_meta": (lambda p: p, lambda p: torch.zeros(p.shape, device="meta"), TypeError, "dense tensor"),
 }
 
 
