@@ -215,6 +215,12 @@ def test_dtensor_params_are_refused(gloo_world):
     assert len(opt.param_groups) == 1
     assert_optimizer_unchanged(opt, snap)
     assert torch.equal(bits(d.to_local()), before)
+    w = torch.nn.Parameter(torch.randn(8, 4))
+    opt = MuonAdamW([{"params": [w], "kind": "muon"}])
+    snap = optimizer_snapshot(opt)
+    with pytest.raises(TypeError, match="DTensor values are not supported"):
+        opt.update_param(w, distribute_tensor(torch.zeros(8, 4), gloo_world, [Shard(0)]))
+    assert_optimizer_unchanged(opt, snap)
 
 
 # ---------------------------------------------------------------------------
