@@ -139,15 +139,24 @@ void polar_express(at::Tensor& x, const std::vector<std::array<float, 3>>& coeff
     slots[k] = at::empty({polar_buffer_numel(static_cast<PolarBuffer>(k), rows, cols)}, x.options());
   }
   auto slot = [&](PolarBuffer b) -> const at::Tensor& { return slots[static_cast<int>(b)]; };
+  // The GEMM operands of one matrix, made once and reused by every iteration
+  // (for small matrices, making views costs as much as the GEMMs).
+  std::vector<std::array<at::Tensor, 3>> operands(plan.size());
   for (int64_t j = 0; j < x.size(0); ++j) {
     slots[static_cast<int>(PolarBuffer::kX)] = x.select(0, j).view({-1});
+    for (size_t i = 0; i < plan.size(); ++i) {
+      const PolarOp& op = plan[i];
+      if (op.kind != PolarOp::Kind::kGemm) continue;
+      operands[i] = {view_of(slot(op.out.buffer), op.out), view_of(slot(op.lhs.buffer), op.lhs),
+                     view_of(slot(op.rhs.buffer), op.rhs)};
+    }
     for (const auto& abc : coefficients) {
-      for (const PolarOp& op : plan) {
+      for (size_t i = 0; i < plan.size(); ++i) {
+        const PolarOp& op = plan[i];
         switch (op.kind) {
           case PolarOp::Kind::kGemm: {
-            at::Tensor out = view_of(slot(op.out.buffer), op.out);
-            at::addmm_out(out, out, view_of(slot(op.lhs.buffer), op.lhs), view_of(slot(op.rhs.buffer), op.rhs),
-                          polar_scalar_value(op.beta, abc[0], abc[1], abc[2]),
+            at::Tensor& out = operands[i][0];
+            at::addmm_out(out, out, operands[i][1], operands[i][2], polar_scalar_value(op.beta, abc[0], abc[1], abc[2]),
                           polar_scalar_value(op.alpha, abc[0], abc[1], abc[2]));
             break;
           }
