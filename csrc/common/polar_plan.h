@@ -68,8 +68,8 @@ inline std::vector<int64_t> polar_block_bounds(int64_t side, int64_t blocks) {
 }
 
 // CPU choice: blocks of at least 128 rows, at most 8 (measured with MKL on 2
-// cores: 1.08x faster at side 256, 1.28x at 1024; smaller blocks lose more to
-// GEMM overhead than the skipped triangle saves).
+// cores: 1.02-1.09x faster at side 256, 1.11-1.28x at 1024; smaller blocks
+// lose more to GEMM overhead than the skipped triangle saves).
 inline int64_t polar_row_blocks_cpu(int64_t side) { return std::clamp<int64_t>(side / 128, 1, 8); }
 
 // CUDA choice: plain GEMMs until the block-triangular form is measured faster
