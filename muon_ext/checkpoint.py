@@ -9,6 +9,8 @@ loaded master, and accepts TransformerEngine-style int16 remainders.
 
 from __future__ import annotations
 
+import copy
+import math
 from typing import TYPE_CHECKING, Dict, List
 
 import torch
@@ -43,6 +45,7 @@ def load_optimizer_state(opt: "MuonAdamW", state_dict: dict) -> None:
     saved_state = state_dict.get("state")
     if not isinstance(saved_groups, list) or not isinstance(saved_state, dict):
         raise ValueError("load_state_dict: expected a dict with 'param_groups' (list) and 'state' (dict)")
+    saved_groups = copy.deepcopy(saved_groups)  # as torch: the loaded groups share nothing with the caller
     if len(saved_groups) != len(opt.param_groups):
         raise ValueError(f"load_state_dict: the state dict has {len(saved_groups)} param groups, "
                          f"the optimizer {len(opt.param_groups)}")
@@ -54,6 +57,9 @@ def load_optimizer_state(opt: "MuonAdamW", state_dict: dict) -> None:
         if saved.get("kind", group["kind"]) != group["kind"]:
             raise ValueError(f"load_state_dict: param group {gi} is '{saved.get('kind')}' in the state dict and "
                              f"'{group['kind']}' in the optimizer")
+        if isinstance(saved.get("lr"), torch.Tensor) and group["params"]:
+            # A tensor lr saved on another device (a capturable run, another rank) lands on this group's.
+            saved["lr"] = saved["lr"].detach().to(group["params"][0].device, torch.float32)
         merged = dict(group, **{k: v for k, v in saved.items() if k != "params"})
         opt._check_hyper(gi, merged)
         if merged["kind"] == "muon" and merged["matrix_view"] != group["matrix_view"]:
@@ -70,6 +76,8 @@ def load_optimizer_state(opt: "MuonAdamW", state_dict: dict) -> None:
         if opt.capturable and isinstance(lr, torch.Tensor):
             lr.copy_(torch.as_tensor(group["lr"], dtype=torch.float32).reshape(lr.shape))  # keep graph-captured lr
             group["lr"] = lr
+    # Tensors are written in place, so a CUDA graph captured before the load
+    # steps on the loaded state.
     for p, entry in plan:
         opt._masters_from_params.discard(id(p))
         _load_entry(opt, p, entry)
@@ -91,8 +99,11 @@ def _check_entry(opt: "MuonAdamW", p: torch.Tensor, entry: Dict, group: Dict) ->
     for key, value in entry.items():
         where = f"load_state_dict: {info.name}, state '{key}'"
         if key == "step":
-            if not isinstance(value, (int, float, torch.Tensor)) or (isinstance(value, torch.Tensor) and value.numel() != 1):
-                raise ValueError(f"{where}: expected a number or a one-element tensor")
+            ok = (isinstance(value, (int, float)) and not isinstance(value, bool)) or (
+                isinstance(value, torch.Tensor) and value.numel() == 1 and value.layout == torch.strided
+                and not value.is_meta and not value.is_complex())
+            if not ok or not math.isfinite(float(value)) or float(value) < 0:
+                raise ValueError(f"{where}: expected a finite number >= 0 or a one-element tensor holding one")
             continue
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{where}: expected a tensor, got {type(value).__name__}")
@@ -116,12 +127,19 @@ def _check_entry(opt: "MuonAdamW", p: torch.Tensor, entry: Dict, group: Dict) ->
 
 
 def _load_entry(opt: "MuonAdamW", p: torch.Tensor, entry: Dict) -> None:
-    """Replaces p's state with `entry` (as torch does): state the entry lacks
-    starts fresh (zero moments and step), a missing master is the param."""
+    """Replaces p's state with `entry` (as torch does: state the entry lacks
+    starts fresh, zero moments and step; a missing master is the param),
+    writing into the existing tensors."""
     info = opt._param_info(p)
-    opt.state[p].clear()
     opt._init_state(info)
     state = opt.state[p]
+    for key in list(state):
+        if key == "master_param" or key in entry:
+            continue
+        if key in _FP32_STATE or key == "step":
+            state[key].zero_()
+        else:
+            del state[key]  # extra state the checkpoint does not have
     for key, value in entry.items():
         if key == "master_param" or (key == "step" and "step" not in state):
             continue  # the master is written below; a step counter only where this kind keeps one
@@ -129,6 +147,8 @@ def _load_entry(opt: "MuonAdamW", p: torch.Tensor, entry: Dict) -> None:
             state["step"].fill_(float(value))
         elif key in state and isinstance(value, torch.Tensor):
             state[key].copy_(value)  # keeps our dtype (FP32) and device
+        elif key in _FP32_STATE:
+            state[key] = value.to(device=p.device, dtype=torch.float32, copy=True)
         else:
             state[key] = value.to(p.device) if isinstance(value, torch.Tensor) else value
     master = entry.get("master_param")

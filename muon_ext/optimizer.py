@@ -169,6 +169,10 @@ class MuonAdamW(torch.optim.Optimizer):
         group["params"] = params
         self._check_group(index, group, names)
         if self.capturable:
+            devices = {p.device for p in params}
+            if len(devices) > 1:
+                raise ValueError(f"param group {index}: with capturable=True a group's params must share one device "
+                                 f"(its lr tensor lives there), got {sorted(map(str, devices))}")
             group["lr"] = _device_lr(group["lr"], params[0].device if params else torch.device("cpu"))
 
         infos = []
@@ -298,11 +302,17 @@ class MuonAdamW(torch.optim.Optimizer):
         return self._buckets
 
     def _grad_of(self, p: torch.Tensor) -> Optional[torch.Tensor]:
-        """The param's gradient (self.grad_attr), checked against the param."""
+        """The param's gradient (self.grad_attr), checked against the param (and
+        the param's layout: model.to(memory_format=...) may change it)."""
         grad = getattr(p, self.grad_attr, None)
+        if (grad is not None and isinstance(grad, torch.Tensor) and grad.shape == p.shape and grad.device == p.device
+                and grad.dtype in _SUPPORTED_DTYPES and grad.layout == torch.strided and p.is_contiguous()):
+            return grad if grad.is_contiguous() else grad.contiguous()  # the common case, checked at once
+        label = self._info[id(p)].name
+        if not p.is_contiguous():
+            raise ValueError(f"{label} is no longer contiguous; params must stay contiguous")
         if grad is None:
             return None
-        label = self._info[id(p)].name
         if not isinstance(grad, torch.Tensor):
             raise TypeError(f"{label}: {self.grad_attr} must be a tensor, got {type(grad).__name__}")
         if grad.layout != torch.strided:
@@ -311,10 +321,7 @@ class MuonAdamW(torch.optim.Optimizer):
             raise ValueError(f"{label}: {self.grad_attr} has shape {tuple(grad.shape)}, the param {tuple(p.shape)}")
         if grad.device != p.device:
             raise ValueError(f"{label}: {self.grad_attr} is on {grad.device}, the param on {p.device}")
-        if grad.dtype not in _SUPPORTED_DTYPES:
-            raise TypeError(f"{label}: {self.grad_attr} has dtype {grad.dtype}; supported: float32, bfloat16, "
-                            "float16")
-        return grad if grad.is_contiguous() else grad.contiguous()
+        raise TypeError(f"{label}: {self.grad_attr} has dtype {grad.dtype}; supported: float32, bfloat16, float16")
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None):
@@ -326,33 +333,16 @@ class MuonAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        found_inf = getattr(self, "found_inf", None)
-        if self.grad_attr == "main_grad" and hasattr(self, "found_inf"):
-            raise ValueError("torch.amp.GradScaler looks for infs in .grad, but this optimizer steps on main_grad: "
-                             "an inf there would go unnoticed; unscale and check main grads yourself")
-        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-        for index, group in enumerate(self.param_groups):
-            self._check_hyper(index, group)
-            lr = group["lr"]
-            if capturing and group["params"] and not (isinstance(lr, torch.Tensor) and lr.device == group["params"][0].device):
-                raise RuntimeError(f"param group {index}: capturing a step needs its lr as a tensor on the params' "
-                                   "device (construct with capturable=True); a float lr would be baked into the graph")
-        work = []  # (bucket, group, params, grads) per bucket and grad dtype
-        for bucket in self._get_buckets():
-            group = self.param_groups[bucket.group]
-            by_grad_dtype: Dict[torch.dtype, Tuple[List, List]] = {}
-            for p in bucket.params:
-                if not p.is_contiguous():  # e.g. model.to(memory_format=...) after construction
-                    raise ValueError(f"{self._info[id(p)].name} is no longer contiguous; params must stay "
-                                     "contiguous")
-                grad = self._grad_of(p)
-                if grad is not None:
-                    params, grads = by_grad_dtype.setdefault(grad.dtype, ([], []))
-                    params.append(p)
-                    grads.append(grad)
-            work.extend((bucket, group, params, grads) for params, grads in by_grad_dtype.values())
-
+        try:
+            work = self._plan_step()
+        except Exception:
+            # GradScaler deletes these only after a step returns: drop them so
+            # that a later step does not unscale with this step's scale.
+            self.__dict__.pop("grad_scale", None)
+            self.__dict__.pop("found_inf", None)
+            raise
         self._sync_masters_from_params()
+        found_inf = getattr(self, "found_inf", None)
         scalers = _GradScalerInputs(getattr(self, "grad_scale", None),
                                     found_inf if isinstance(found_inf, torch.Tensor) else None)
         for bucket, group, params, grads in work:
@@ -363,6 +353,35 @@ class MuonAdamW(torch.optim.Optimizer):
                 self._step_muon(group, params, grads, inv_scale, found)
             torch.autograd.graph.increment_version(params)
         return loss
+
+    def _plan_step(self) -> List[Tuple]:
+        """Checks every group and grad; returns (bucket, group, params, grads)
+        per bucket and grad dtype. Writes nothing."""
+        if self.grad_attr == "main_grad" and hasattr(self, "found_inf") and all(
+                info.param.grad is None for info in self._info.values()):
+            raise ValueError("torch.amp.GradScaler looks for infs in .grad, and no param has one (this optimizer "
+                             "steps on main_grad): an inf would go unnoticed; unscale and check main grads yourself")
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        for index, group in enumerate(self.param_groups):
+            self._check_hyper(index, group)
+            lr = group["lr"]
+            if isinstance(lr, torch.Tensor):
+                _check_lr_tensor(index, lr, group["params"])
+            elif capturing and group["params"]:
+                raise RuntimeError(f"param group {index}: capturing a step needs its lr as a tensor on the params' "
+                                   "device (construct with capturable=True); a float lr would be baked into the graph")
+        work = []
+        for bucket in self._get_buckets():
+            group = self.param_groups[bucket.group]
+            by_grad_dtype: Dict[torch.dtype, Tuple[List, List]] = {}
+            for p in bucket.params:
+                grad = self._grad_of(p)
+                if grad is not None:
+                    params, grads = by_grad_dtype.setdefault(grad.dtype, ([], []))
+                    params.append(p)
+                    grads.append(grad)
+            work.extend((bucket, group, params, grads) for params, grads in by_grad_dtype.values())
+        return work
 
     def _masters(self, params) -> List[torch.Tensor]:
         return [self.state[p]["master_param"] for p in params if "master_param" in self.state[p]]
@@ -521,6 +540,19 @@ def _device_lr(lr, device: torch.device) -> torch.Tensor:
             return lr
         return lr.detach().to(device=device, dtype=torch.float32).reshape(())
     return torch.tensor(float(lr), dtype=torch.float32, device=device)
+
+
+def _check_lr_tensor(index: int, lr: torch.Tensor, params) -> None:
+    """A tensor lr must sit where the kernels can read it: on the CPU (its value
+    is read on the host, so it is checked here too) or on every param's device."""
+    if lr.device.type == "cpu":
+        value = float(lr)
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"param group {index}: lr must be finite and >= 0, got {value}")
+        return
+    for p in params:
+        if p.device != lr.device:
+            raise ValueError(f"param group {index}: lr is on {lr.device} but a param is on {p.device}")
 
 
 def _is_real(value) -> bool:

@@ -233,6 +233,8 @@ _CORRUPTIONS = {
     "coefficient_pairs": lambda sd: sd["param_groups"][1].update(ns_steps=1, ns_coefficients=[(1.0, 2.0)]),
     "master_on_meta": lambda sd: _last_adamw_entry(sd).update(master_param=torch.empty(12, device="meta")),
     "exp_avg_sparse": lambda sd: _last_adamw_entry(sd).update(exp_avg=torch.zeros(12).to_sparse()),
+    "step_on_meta": lambda sd: _last_adamw_entry(sd).update(step=torch.zeros((), device="meta")),
+    "step_negative": lambda sd: _last_adamw_entry(sd).update(step=-1.0),
 }
 
 
@@ -360,3 +362,46 @@ def test_unknown_state_entries_are_kept():
     _last_adamw_entry(saved)["ema_of_update"] = torch.full((12,), 3.0)
     opt.load_state_dict(saved)
     assert torch.equal(opt.state[model.ln.bias]["ema_of_update"], torch.full((12,), 3.0))
+
+
+def test_loading_writes_into_the_existing_state_tensors():
+    """A CUDA graph captured before a load keeps stepping on the same tensors:
+    load_state_dict must write into them (and into a capturable lr), and the
+    optimizer must not share tensors with the loaded dict."""
+    model, opt = _build("bf16_remainder")
+    _train(model, opt, range(2))
+    saved = copy.deepcopy(opt.state_dict())
+    target_model, target = _build("bf16_remainder", seed=1)
+    _train(target_model, target, range(1))
+    before = {(id(p), k): t for p in target_model.parameters() for k, t in target.state[p].items()}
+    target.load_state_dict(saved)
+    for p in target_model.parameters():
+        for k, t in target.state[p].items():
+            assert t is before[(id(p), k)], k
+    _assert_same_optimizer(opt, target)
+
+
+def test_loaded_groups_do_not_alias_the_state_dict():
+    model, opt = _build("bf16_remainder")
+    saved = copy.deepcopy(opt.state_dict())
+    saved["param_groups"][0]["lr"] = torch.tensor(0.5)
+    saved["param_groups"][0]["betas_note"] = [1, 2]
+    target_model, target = _build("bf16_remainder", seed=1)
+    target.load_state_dict(saved)
+    saved["param_groups"][0]["lr"].fill_(9.0)
+    saved["param_groups"][0]["betas_note"].append(3)
+    assert float(target.param_groups[0]["lr"]) == 0.5 and target.param_groups[0]["betas_note"] == [1, 2]
+
+
+def test_a_low_precision_second_moment_loads_as_fp32_where_normuon_is_off():
+    model, opt = _build("bf16_remainder")
+    _train(model, opt, range(2))
+    saved = copy.deepcopy(opt.state_dict())
+    saved["param_groups"][0]["beta2"] = None
+    first = saved["state"][saved["param_groups"][0]["params"][0]]
+    first["second_momentum_buffer"] = first["second_momentum_buffer"].bfloat16()
+    target_model, target = _build("bf16_remainder", seed=1)
+    target.load_state_dict(saved)
+    assert target.state[target_model.fc1.weight]["second_momentum_buffer"].dtype == torch.float32
+    target.param_groups[0]["beta2"] = 0.95
+    _train(target_model, target, range(1))  # NorMuon back on: steps without a dtype error

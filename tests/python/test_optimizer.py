@@ -605,6 +605,7 @@ def _late_failures():
         "lr_scale_typo": (edit("lr_scale", "orignal"), ValueError, "unknown lr_scale 'orignal'"),
         "ns_steps_above_coefficients": (edit("ns_steps", 7), ValueError, "ns_steps=7 but only 5"),
         "betas_scalar": (edit("betas", 0.9), TypeError, "betas must be a pair"),
+        "lr_tensor_nan": (edit("lr", torch.tensor(float("nan"))), ValueError, "lr must be finite"),
     }
 
 
@@ -664,6 +665,13 @@ def test_grad_scaler_with_main_grad_is_refused_and_without_grads_is_a_no_op():
     with pytest.raises(ValueError, match="GradScaler looks for infs in .grad"):
         scaler.step(opt)
     assert_optimizer_unchanged(opt, snap)
+    # GradScaler leaves its inputs on the optimizer when step raises: dropped,
+    # so a later plain step does not unscale with them.
+    assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
+    # With .grad populated too (hooks copy it into main_grad), GradScaler sees the infs: allowed.
+    a.grad, w.grad = torch.randn(8).bfloat16(), torch.randn(16, 12).bfloat16()
+    scaler.step(opt)
+    assert not torch.equal(bits(a), snap["group 0 param 0"])
 
     # With grad_attr="grad" and no grads at all, GradScaler hands over found_inf=0 (an int).
     opt, a, w = _two_kind_optimizer()
