@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "checks.h"
@@ -324,6 +325,34 @@ std::vector<std::string> cpu_capabilities() {
   return out;
 }
 
+// The optimizer's per-step check of a bucket, in one call: (index of the first
+// param that must not be stepped, or -1; whether every grad is present,
+// contiguous and of one dtype). A param must not be stepped when its grad has
+// another shape, device or layout or an unsupported dtype, or when the param
+// itself is no longer contiguous; the caller then raises, naming it.
+std::tuple<int64_t, bool> check_bucket_grads(const std::vector<at::Tensor>& params,
+                                             const std::vector<c10::optional<at::Tensor>>& grads) {
+  TORCH_CHECK_VALUE(params.size() == grads.size(), "check_bucket_grads: ", params.size(), " params but ",
+                    grads.size(), " grads");
+  bool uniform = true;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor& p = params[i];
+    if (!p.is_contiguous()) return {int64_t(i), false};
+    if (!grads[i].has_value() || !grads[i]->defined()) {
+      uniform = false;
+      continue;
+    }
+    const at::Tensor& g = *grads[i];
+    const at::ScalarType dtype = g.scalar_type();
+    const bool supported = dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf;
+    if (g.layout() != at::kStrided || !supported || g.sizes() != p.sizes() || g.device() != p.device()) {
+      return {int64_t(i), false};
+    }
+    uniform = uniform && g.is_contiguous() && (i == 0 || dtype == grads[0]->scalar_type());
+  }
+  return {-1, uniform};
+}
+
 }  // namespace
 }  // namespace muon_ext
 
@@ -342,6 +371,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("merge_master", &muon_ext::merge_master, py::arg("param"), py::arg("remainder"), py::arg("master"));
   m.def("polar_express_coefficients", &muon_ext::polar_express_coefficients,
         "The default Polar-Express (a, b, c) tuples, one per iteration.");
+  m.def("check_bucket_grads", &muon_ext::check_bucket_grads, py::arg("params"), py::arg("grads"));
   m.def("cpu_capabilities", &muon_ext::cpu_capabilities, "Instruction sets of the CPU kernels usable here, best last.");
 #if defined(MUON_EXT_WITH_CUDA)
   m.attr("with_cuda") = true;

@@ -15,7 +15,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from . import ops
+from . import _C, ops
 from .checkpoint import load_optimizer_state, optimizer_state_dict
 
 __all__ = ["MuonAdamW", "MUON_DEFAULTS", "ADAMW_DEFAULTS"]
@@ -373,14 +373,22 @@ class MuonAdamW(torch.optim.Optimizer):
         work = []
         for bucket in self._get_buckets():
             group = self.param_groups[bucket.group]
+            grads = [getattr(p, self.grad_attr, None) for p in bucket.params]
+            try:
+                bad, uniform = _C.check_bucket_grads(bucket.params, grads)
+            except TypeError:  # a grad that is not a tensor: found and named below
+                bad, uniform = 0, False
+            if bad < 0 and uniform:  # the common case: every grad present, contiguous, one dtype
+                work.append((bucket, group, bucket.params, grads))
+                continue
             by_grad_dtype: Dict[torch.dtype, Tuple[List, List]] = {}
             for p in bucket.params:
-                grad = self._grad_of(p)
+                grad = self._grad_of(p)  # raises at the first bad one, naming it
                 if grad is not None:
-                    params, grads = by_grad_dtype.setdefault(grad.dtype, ([], []))
+                    params, checked = by_grad_dtype.setdefault(grad.dtype, ([], []))
                     params.append(p)
-                    grads.append(grad)
-            work.extend((bucket, group, params, grads) for params, grads in by_grad_dtype.values())
+                    checked.append(grad)
+            work.extend((bucket, group, params, checked) for params, checked in by_grad_dtype.values())
         return work
 
     def _masters(self, params) -> List[torch.Tensor]:
