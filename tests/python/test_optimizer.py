@@ -606,6 +606,8 @@ def _late_failures():
         "ns_steps_above_coefficients": (edit("ns_steps", 7), ValueError, "ns_steps=7 but only 5"),
         "betas_scalar": (edit("betas", 0.9), TypeError, "betas must be a pair"),
         "lr_tensor_nan": (edit("lr", torch.tensor(float("nan"))), ValueError, "lr must be finite"),
+        "grad_not_a_tensor": (lambda opt, a, w, attr: (setattr(a, attr, torch.randn(8)), setattr(w, attr, [0.0])),
+                              TypeError, "main_grad must be a tensor, got list"),
     }
 
 
