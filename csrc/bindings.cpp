@@ -344,8 +344,8 @@ std::tuple<int64_t, bool> check_bucket_grads(const std::vector<at::Tensor>& para
     }
     const at::Tensor& g = *grads[i];
     const at::ScalarType dtype = g.scalar_type();
-    const bool supported = dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf;
-    if (g.layout() != at::kStrided || !supported || g.sizes() != p.sizes() || g.device() != p.device()) {
+    if (g.layout() != at::kStrided || !checks::is_supported_float(dtype) || g.sizes() != p.sizes() ||
+        g.device() != p.device()) {
       return {int64_t(i), false};
     }
     uniform = uniform && g.is_contiguous() && (i == 0 || dtype == grads[0]->scalar_type());

@@ -301,27 +301,33 @@ class MuonAdamW(torch.optim.Optimizer):
             self._buckets_signature = signature
         return self._buckets
 
-    def _grad_of(self, p: torch.Tensor) -> Optional[torch.Tensor]:
-        """The param's gradient (self.grad_attr), checked against the param (and
-        the param's layout: model.to(memory_format=...) may change it)."""
-        grad = getattr(p, self.grad_attr, None)
-        if (grad is not None and isinstance(grad, torch.Tensor) and grad.shape == p.shape and grad.device == p.device
-                and grad.dtype in _SUPPORTED_DTYPES and grad.layout == torch.strided and p.is_contiguous()):
-            return grad if grad.is_contiguous() else grad.contiguous()  # the common case, checked at once
-        label = self._info[id(p)].name
-        if not p.is_contiguous():
+    def _check_grads(self, params: List[torch.Tensor], grads: List) -> bool:
+        """Raises, naming the param, unless every param can be stepped with its
+        grad (_C.check_bucket_grads); returns whether every grad is present,
+        contiguous and of one dtype."""
+        try:
+            bad, uniform = _C.check_bucket_grads(params, grads)
+        except TypeError:  # the binding refuses a grad that is not a tensor
+            bad = next((i for i, g in enumerate(grads) if g is not None and not isinstance(g, torch.Tensor)), None)
+            if bad is None:
+                raise
+        if bad >= 0:
+            self._raise_unsteppable(params[bad], grads[bad])
+        return uniform
+
+    def _raise_unsteppable(self, p: torch.Tensor, grad) -> None:
+        label, attr = self._info[id(p)].name, self.grad_attr
+        if not p.is_contiguous():  # e.g. model.to(memory_format=...) after construction
             raise ValueError(f"{label} is no longer contiguous; params must stay contiguous")
-        if grad is None:
-            return None
         if not isinstance(grad, torch.Tensor):
-            raise TypeError(f"{label}: {self.grad_attr} must be a tensor, got {type(grad).__name__}")
+            raise TypeError(f"{label}: {attr} must be a tensor, got {type(grad).__name__}")
         if grad.layout != torch.strided:
-            raise TypeError(f"{label}: {self.grad_attr} has layout {grad.layout}; sparse gradients are not supported")
+            raise TypeError(f"{label}: {attr} has layout {grad.layout}; sparse gradients are not supported")
         if grad.shape != p.shape:
-            raise ValueError(f"{label}: {self.grad_attr} has shape {tuple(grad.shape)}, the param {tuple(p.shape)}")
+            raise ValueError(f"{label}: {attr} has shape {tuple(grad.shape)}, the param {tuple(p.shape)}")
         if grad.device != p.device:
-            raise ValueError(f"{label}: {self.grad_attr} is on {grad.device}, the param on {p.device}")
-        raise TypeError(f"{label}: {self.grad_attr} has dtype {grad.dtype}; supported: float32, bfloat16, float16")
+            raise ValueError(f"{label}: {attr} is on {grad.device}, the param on {p.device}")
+        raise TypeError(f"{label}: {attr} has dtype {grad.dtype}; supported: float32, bfloat16, float16")
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None):
@@ -374,21 +380,16 @@ class MuonAdamW(torch.optim.Optimizer):
         for bucket in self._get_buckets():
             group = self.param_groups[bucket.group]
             grads = [getattr(p, self.grad_attr, None) for p in bucket.params]
-            try:
-                bad, uniform = _C.check_bucket_grads(bucket.params, grads)
-            except TypeError:  # a grad that is not a tensor: found and named below
-                bad, uniform = 0, False
-            if bad < 0 and uniform:  # the common case: every grad present, contiguous, one dtype
+            if self._check_grads(bucket.params, grads):  # the common case: nothing to sort out
                 work.append((bucket, group, bucket.params, grads))
                 continue
             by_grad_dtype: Dict[torch.dtype, Tuple[List, List]] = {}
-            for p in bucket.params:
-                grad = self._grad_of(p)  # raises at the first bad one, naming it
+            for p, grad in zip(bucket.params, grads):
                 if grad is not None:
-                    params, checked = by_grad_dtype.setdefault(grad.dtype, ([], []))
+                    params, contiguous = by_grad_dtype.setdefault(grad.dtype, ([], []))
                     params.append(p)
-                    checked.append(grad)
-            work.extend((bucket, group, params, checked) for params, checked in by_grad_dtype.values())
+                    contiguous.append(grad if grad.is_contiguous() else grad.contiguous())
+            work.extend((bucket, group, params, contiguous) for params, contiguous in by_grad_dtype.values())
         return work
 
     def _masters(self, params) -> List[torch.Tensor]:

@@ -148,9 +148,4 @@ inline int64_t polar_buffer_numel(PolarBuffer buffer, int64_t rows, int64_t cols
   return buffer == PolarBuffer::kX || buffer == PolarBuffer::kXOperand ? rows * cols : side * side;
 }
 
-// Row block of row i (bounds as from polar_block_bounds).
-inline int64_t polar_block_of(const std::vector<int64_t>& bounds, int64_t i) {
-  return static_cast<int64_t>(std::upper_bound(bounds.begin(), bounds.end(), i) - bounds.begin()) - 1;
-}
-
 }  // namespace muon_ext

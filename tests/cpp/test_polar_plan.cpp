@@ -4,6 +4,7 @@
 // the CUDA kernel hands to cuBLAS, plain and block-triangular, without a GPU.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <random>
@@ -16,6 +17,11 @@ namespace muon_ext {
 namespace {
 
 using Matrix = std::vector<double>;  // row-major
+
+// Row block of row i (bounds as from polar_block_bounds).
+int64_t polar_block_of(const std::vector<int64_t>& bounds, int64_t i) {
+  return static_cast<int64_t>(std::upper_bound(bounds.begin(), bounds.end(), i) - bounds.begin()) - 1;
+}
 
 struct Slots {
   std::array<Matrix, kPolarBufferCount> buffer;
