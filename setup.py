@@ -4,8 +4,11 @@ CPU kernels are always built; CUDA kernels are built when torch has CUDA and
 nvcc is found (CUDA_HOME, default /usr/local/cuda), unless MUON_EXT_FORCE_CPU=1.
 The CPU AdamW kernel is compiled once per instruction set (DEFAULT, AVX2,
 AVX512 on x86-64) and picked at run time, as PyTorch does for its own kernels.
+The C++ standard, the flags every C++ file gets and the per-ISA table are read
+from csrc/build_flags.json, which CMakeLists.txt (the C++ tests) reads too.
 """
 
+import json
 import os
 import platform
 import sys
@@ -20,16 +23,16 @@ from torch.utils import cpp_extension  # noqa: E402
 ROOT = Path(__file__).resolve().parent
 CSRC = ROOT / "csrc"
 
-CXX_FLAGS = ["-O3", "-std=c++20", "-ffp-contract=off"]
-# --fmad=false keeps the GPU element math bit-identical to the CPU's.
-NVCC_FLAGS = ["-O3", "-std=c++20", "--fmad=false", "--expt-relaxed-constexpr"]
+# Shared with CMakeLists.txt; its _comment says what each entry means.
+BUILD_FLAGS = json.loads((CSRC / "build_flags.json").read_text())
+CXX_STD = f"-std=c++{BUILD_FLAGS['cxx_standard']}"
 
-# Per-ISA builds of the vectorized CPU kernels: (name, compiler flags).
-ISA_VARIANTS_X86 = [
-    ("AVX2", ["-mavx2", "-mfma", "-mf16c"]),
-    ("AVX512", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"]),
-]
-ISA_KERNEL_SOURCES = ["csrc/cpu/adamw_cpu_kernel.cpp"]
+CXX_FLAGS = ["-O3", CXX_STD] + BUILD_FLAGS["cxx_flags"]
+# --fmad=false keeps the GPU element math bit-identical to the CPU's.
+NVCC_FLAGS = ["-O3", CXX_STD, "--fmad=false", "--expt-relaxed-constexpr"]
+
+# Per-ISA builds of the vectorized CPU kernels.
+ISA_KERNEL_SOURCES = BUILD_FLAGS["isa_kernel_sources"]
 
 
 def _want_cuda() -> bool:
@@ -42,10 +45,13 @@ def _want_cuda() -> bool:
 
 
 def _isa_variants():
-    variants = [("DEFAULT", [])]
-    if platform.machine().lower() in ("x86_64", "amd64"):
-        variants += ISA_VARIANTS_X86
-    return variants
+    """(name, compiler flags) of each instruction set built on this machine, DEFAULT first."""
+    machine = platform.machine().lower()
+    return [
+        (v["name"], v["flags"])
+        for v in BUILD_FLAGS["isa_variants"]
+        if not v["machines"] or machine in (m.lower() for m in v["machines"])
+    ]
 
 
 def _nvidia_include_dirs():
@@ -105,7 +111,7 @@ def _extension():
     _write_build_info(with_cuda)
 
     macros = [f"-DMUON_EXT_HAVE_{isa}" for isa, _ in _isa_variants() if isa != "DEFAULT"]
-    sources = ["csrc/bindings.cpp", "csrc/checks.cpp", "csrc/cpu/adamw_cpu.cpp", "csrc/cpu/muon_cpu.cpp",
+    sources = ["csrc/bindings.cpp", "csrc/ops.cpp", "csrc/checks.cpp", "csrc/cpu/adamw_cpu.cpp", "csrc/cpu/muon_cpu.cpp",
                "csrc/cpu/remainder_cpu.cpp"]
     include_dirs = [str(CSRC)]
     cxx_flags = CXX_FLAGS + macros

@@ -2,7 +2,8 @@
 rest) on GPT-like parameter sets, against peers in the same process:
 
 * ours: muon_ext.MuonAdamW on BF16 params with int16 remainders (exact FP32
-  masters), and on FP32 params;
+  masters), and on FP32 params; and the BF16 one with `torch.compile(opt.step)`
+  (eager vs compiled step time);
 * the seed's MuonAdamW (../shared/peers; torch.compile on GPU, eager on CPU),
   one Muon group per shape as it requires, on FP32 params (its state takes the
   param dtype, so FP32 params are what gives it FP32 masters) and BF16 params;
@@ -49,10 +50,15 @@ def make_params(shapes, device, dtype, seed):
     return params
 
 
-def build_ours(sets, device, dtype):
+def build_ours(sets, device, dtype, compiled=False):
     hidden, other = make_params(sets["hidden"], device, dtype, 0), make_params(sets["other"], device, dtype, 1)
     opt = MuonAdamW([{"params": hidden, "kind": "muon", "lr": MUON_LR, "weight_decay": WD},
                      {"params": other, "kind": "adamw", "lr": ADAMW_LR, "weight_decay": WD}])
+    if compiled:
+        # The kernels are torch.library ops, so they become graph nodes; the
+        # planning stage (checks) stays eager behind a graph break.
+        torch._dynamo.reset()
+        opt.step = torch.compile(opt.step)
     return hidden + other, [opt]
 
 
@@ -148,13 +154,15 @@ def main():
                          "torch: torch.optim.Muon (hidden) + torch.optim.AdamW(fused=True) (rest)",
                          "bytes per param: params + optimizer state, from the tensors, after warmup",
                          "speedup_of_ours_bf16_remainder: peer seconds / ours seconds (> 1: ours is faster)",
-                         "on CPU ours orthogonalizes in FP32 (DESIGN); the seed and torch.optim.Muon use BF16 GEMMs"]}
+                         "on CPU ours orthogonalizes in FP32 (docs/design.md, \"CPU kernels\"); "
+                         "the seed and torch.optim.Muon use BF16 GEMMs"]}
     if seed is None:
         results["notes"].append("../shared absent: seed peer skipped")
     for set_name, sets in param_sets(device).items():
         print(f"{set_name}: {numel(sets['hidden'])} Muon + {numel(sets['other'])} AdamW params", flush=True)
         contenders = {
             "ours_bf16_remainder": lambda: build_ours(sets, device, torch.bfloat16),
+            "ours_bf16_remainder_compiled": lambda: build_ours(sets, device, torch.bfloat16, compiled=True),
             "ours_fp32": lambda: build_ours(sets, device, torch.float32),
             "torch_muon_adamw_fused_fp32": lambda: build_torch(sets, device, torch.float32),
             "torch_muon_adamw_fused_bf16": lambda: build_torch(sets, device, torch.bfloat16),

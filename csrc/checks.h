@@ -5,6 +5,8 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/core/TensorBody.h>
+#include <c10/util/ArrayRef.h>
 #include <c10/util/Optional.h>
 
 #include <string>
@@ -15,24 +17,39 @@
 namespace muon_ext {
 namespace checks {
 
-using TensorList = std::vector<at::Tensor>;
+// A list argument of an op, as the dispatcher hands it over (no copy).
+using TensorList = at::TensorList;
 
 bool is_supported_float(at::ScalarType t);
 
 // `list[index]`, for messages.
 std::string where(const char* list, size_t index);
 
-// All lists have `n` entries (names and lists in the same order).
-void same_lengths(const char* op, size_t n, const std::vector<std::pair<const char*, const TensorList*>>& lists);
+// All lists have `n` entries, as many as the list named `base` (names and
+// lists in the same order).
+void same_lengths(const char* op, size_t n, const std::vector<std::pair<const char*, size_t>>& lengths,
+                  const char* base = "params");
 
-// The params of one call: defined, one supported float dtype, one CPU/CUDA
-// device, contiguous, no two sharing storage.  Returns the common device.
-at::Device params(const char* op, const TensorList& params);
+// An optional per-param list (masters): empty or one entry per param.
+void optional_list_length(const char* op, const TensorList& list, const char* name, size_t n);
 
-// A per-element or per-param companion of params[i]: defined, of dtype
-// `dtype`, on the param's device, of shape `sizes`, contiguous.
-void companion(const char* op, const at::Tensor& t, const at::Tensor& param, const char* list, size_t index,
-               at::ScalarType dtype, at::IntArrayRef sizes);
+// A device the kernels run on: CPU, CUDA when built with it, or meta (checked
+// only: fake tensors trace through the ops this way).
+void device(const char* op, const at::Device& device, const char* name);
+
+// The main list of one call (`name`, usually params): defined, one supported
+// float dtype, one device, contiguous, no two sharing storage.  Returns the
+// common device.
+at::Device params(const char* op, const TensorList& params, const char* name = "params");
+
+// A per-element or per-param companion of base[i] (a list named `base`):
+// defined, of dtype `dtype`, on base[i]'s device, of shape `sizes`, contiguous.
+void companion(const char* op, const at::Tensor& t, const at::Tensor& like, const char* list, size_t index,
+               at::ScalarType dtype, at::IntArrayRef sizes, const char* base = "params");
+
+// A hyper-parameter within its range of common/schema.h (finite, and an
+// integer for integer settings).  `nullable`: the message adds "or None".
+void in_range(const char* op, const char* kind, const char* name, double value, bool nullable = false);
 
 // The dtype of list[0] when it is one of float32 / bfloat16 / float16.
 at::ScalarType float_list_dtype(const char* op, const TensorList& list, const char* name);

@@ -1,6 +1,14 @@
-// Arguments of one Muon step on one bucket of same-shape matrices, as the
-// binding layer hands them to the CPU or CUDA implementation after checking
-// them (see check_muon_args in bindings.cpp).
+// Arguments of the Muon kernels, as the op layer (csrc/ops.cpp) hands them to
+// the CPU or CUDA implementation after checking them.  Two forms share one
+// math (csrc/common/muon_math.h), see docs/design.md "Muon in three phases":
+//   * the fused step on a bucket of same-shape matrices (MuonBucket +
+//     MuonStepOptions), the fastest single-device path;
+//   * three phases, each an op, whose composition gives the fused step's bits:
+//       1. momentum   (MuonMomentumArgs):    elementwise, on params or shards;
+//       2. orthogonalize (MuonOrthogonalizeArgs): whole matrices: input scale,
+//          Polar-Express, NorMuon statistics, the multiplier folded into X;
+//       3. apply      (MuonApplyArgs):       elementwise: cautious weight decay
+//          and the write to param and master.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -42,6 +50,56 @@ struct MuonStepOptions {
   c10::optional<at::Tensor> found_inf;             // nonzero: the step is a no-op
   int64_t max_workspace_bytes = int64_t(1) << 30;  // scratch bound per chunk of matrices
   int64_t polar_row_blocks = 0;  // row blocks of the symmetric Polar-Express products; 0: the device's choice
+};
+
+// Phase 1.  grads[i] (FP32/BF16/FP16, one dtype), momentum_buffers[i] and
+// updates[i] (FP32) have one shape each, contiguous, one device; any shape
+// (whole params or local shards, empty ones included).  Writes
+//   momentum = lerp(momentum, g * inv_scale, 1 - mu)
+//   update   = nesterov ? lerp(g * inv_scale, momentum, mu) : momentum
+struct MuonMomentumArgs {
+  std::vector<at::Tensor> grads, momentum_buffers, updates;
+  float momentum = 0.95f;
+  bool nesterov = true;
+  c10::optional<at::Tensor> inv_scale;
+  c10::optional<at::Tensor> found_inf;
+};
+
+// Phase 2.  updates[i] are FP32 [..., rows, cols] (whole matrices), contiguous,
+// one device; second_momentum_buffers as in MuonBucket (empty: NorMuon off).
+// Per matrix: X = u / (||u||_F * 1.02 + 1e-6), Polar-Express (FP32 GEMMs on the
+// CPU; BF16 operands, FP32 accumulation on CUDA, X rounded to BF16 as in the
+// fused step), then NorMuon (second moment updated) and
+//   updates = X * multiplier   (1 without NorMuon; exact then)
+// On CUDA the bits equal the fused step's when phase 2 sees the same matrices
+// in the same order with the same max_workspace_bytes (same cuBLAS batches).
+struct MuonOrthogonalizeArgs {
+  std::vector<at::Tensor> updates, second_momentum_buffers;
+  int64_t rows = 0, cols = 0;
+  bool normuon = true;
+  float beta2 = 0.95f;
+  std::vector<std::array<float, 3>> coefficients;
+  int64_t max_workspace_bytes = int64_t(1) << 30;
+  int64_t polar_row_blocks = 0;
+  c10::optional<at::Tensor> found_inf;
+
+  int64_t matrix_numel() const { return rows * cols; }
+  int64_t stat_length() const { return rows >= cols ? rows : cols; }
+  int64_t reduced_length() const { return rows >= cols ? cols : rows; }
+};
+
+// Phase 3.  params (one float dtype), updates (FP32) and masters (as in
+// MuonBucket) share a shape per index; any shape, elementwise:
+//   p = master;  p -= lr' * u + lr' * wd * p * (u * p >= 0);  write p back
+// with lr' = (lr_tensor ? *lr_tensor : lr) * lr_factor, rounded to FP32 first.
+struct MuonApplyArgs {
+  std::vector<at::Tensor> params, updates, masters;
+  MasterKind master_kind = MasterKind::kNone;
+  double lr = 0.0;
+  c10::optional<at::Tensor> lr_tensor;
+  float lr_factor = 1.0f;
+  float weight_decay = 0.0f;
+  c10::optional<at::Tensor> found_inf;
 };
 
 }  // namespace muon_ext

@@ -11,46 +11,53 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import TYPE_CHECKING, Dict, List
+from typing import Dict, List
 
 import torch
 
 from . import ops
+from ._shapes import second_moment_shape
+from ._types import ParamInfo
+from .schema import check_hyper
+from .state import OptimizerState
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .optimizer import MuonAdamW
+__all__ = ["state_dict", "load_state_dict"]
 
 _FP32_STATE = ("exp_avg", "exp_avg_sq", "momentum_buffer", "second_momentum_buffer")
 
 
-def optimizer_state_dict(opt: "MuonAdamW") -> dict:
+def state_dict(groups: List[dict], states: OptimizerState) -> dict:
+    """torch's layout (params by index), with every master as a new FP32 tensor."""
     index = {}
-    groups = []
-    for group in opt.param_groups:
+    packed_groups = []
+    for group in groups:
         packed = {k: v for k, v in group.items() if k != "params"}
         packed["params"] = [index.setdefault(id(p), len(index)) for p in group["params"]]
-        groups.append(packed)
-    state = {}
-    for group in opt.param_groups:
+        packed_groups.append(packed)
+    packed_state = {}
+    for group in groups:
         for p in group["params"]:
-            entry = dict(opt.state[p])
+            entry = dict(states.tensors[p])
             if "master_param" in entry:
-                entry["master_param"] = opt.get_full_parameter_master(p)
-            state[index[id(p)]] = entry
-    return {"state": state, "param_groups": groups}
+                entry["master_param"] = states.read_master(states.info(p))
+            packed_state[index[id(p)]] = entry
+    return {"state": packed_state, "param_groups": packed_groups}
 
 
-def load_optimizer_state(opt: "MuonAdamW", state_dict: dict) -> None:
-    saved_groups = state_dict.get("param_groups")
-    saved_state = state_dict.get("state")
+def load_state_dict(groups: List[dict], states: OptimizerState, saved_dict: dict, *, capturable: bool) -> None:
+    """Validates `saved_dict` against the optimizer's `groups` and `states`,
+    then loads it: group settings, then each param's state and master. A tensor
+    lr of a capturable optimizer is written in place."""
+    saved_groups = saved_dict.get("param_groups")
+    saved_state = saved_dict.get("state")
     if not isinstance(saved_groups, list) or not isinstance(saved_state, dict):
         raise ValueError("load_state_dict: expected a dict with 'param_groups' (list) and 'state' (dict)")
     saved_groups = copy.deepcopy(saved_groups)  # as torch: the loaded groups share nothing with the caller
-    if len(saved_groups) != len(opt.param_groups):
+    if len(saved_groups) != len(groups):
         raise ValueError(f"load_state_dict: the state dict has {len(saved_groups)} param groups, "
-                         f"the optimizer {len(opt.param_groups)}")
-    plan: List[tuple] = []  # (param, saved entry)
-    for gi, (saved, group) in enumerate(zip(saved_groups, opt.param_groups)):
+                         f"the optimizer {len(groups)}")
+    plan: List[tuple] = []  # (param's info, saved entry)
+    for gi, (saved, group) in enumerate(zip(saved_groups, groups)):
         if len(saved.get("params", [])) != len(group["params"]):
             raise ValueError(f"load_state_dict: param group {gi} has {len(saved.get('params', []))} params in the "
                              f"state dict and {len(group['params'])} in the optimizer")
@@ -61,39 +68,37 @@ def load_optimizer_state(opt: "MuonAdamW", state_dict: dict) -> None:
             # A tensor lr saved on another device (a capturable run, another rank) lands on this group's.
             saved["lr"] = saved["lr"].detach().to(group["params"][0].device, torch.float32)
         merged = dict(group, **{k: v for k, v in saved.items() if k != "params"})
-        opt._check_hyper(gi, merged)
+        check_hyper(gi, merged)
         if merged["kind"] == "muon" and merged["matrix_view"] != group["matrix_view"]:
             raise ValueError(f"load_state_dict: param group {gi} has matrix_view '{merged['matrix_view']}' in the "
                              f"state dict and '{group['matrix_view']}' in the optimizer")
         for p, key in zip(group["params"], saved["params"]):
+            info = states.info(p)
             entry = saved_state.get(key, {})
-            _check_entry(opt, p, entry, merged)
-            plan.append((p, entry))
+            _check_entry(info, entry, merged)
+            plan.append((info, entry))
 
-    for saved, group in zip(saved_groups, opt.param_groups):
+    for saved, group in zip(saved_groups, groups):
         lr = group["lr"]
         group.update({k: v for k, v in saved.items() if k != "params"})
-        if opt.capturable and isinstance(lr, torch.Tensor):
+        if capturable and isinstance(lr, torch.Tensor):
             lr.copy_(torch.as_tensor(group["lr"], dtype=torch.float32).reshape(lr.shape))  # keep graph-captured lr
             group["lr"] = lr
     # Tensors are written in place, so a CUDA graph captured before the load
     # steps on the loaded state.
-    for p, entry in plan:
-        opt._masters_from_params.discard(id(p))
-        _load_entry(opt, p, entry)
+    for info, entry in plan:
+        _load_entry(states, info, entry, groups[info.group])
 
 
 def _expected_state_shape(p: torch.Tensor, key: str, group: Dict):
-    from .optimizer import _second_moment_shape  # optimizer imports this module
-
     if key == "second_momentum_buffer":
-        return _second_moment_shape(p, group["matrix_view"]) if group["kind"] == "muon" else None
+        return second_moment_shape(p, group["matrix_view"]) if group["kind"] == "muon" else None
     return tuple(p.shape)
 
 
-def _check_entry(opt: "MuonAdamW", p: torch.Tensor, entry: Dict, group: Dict) -> None:
-    """Raises unless `entry` can be loaded into `p`'s state under the merged `group`."""
-    info = opt._param_info(p)
+def _check_entry(info: ParamInfo, entry: Dict, group: Dict) -> None:
+    """Raises unless `entry` can be loaded into the param's state under the merged `group`."""
+    p = info.param
     if not isinstance(entry, dict):
         raise TypeError(f"load_state_dict: {info.name}: expected a dict of state, got {type(entry).__name__}")
     for key, value in entry.items():
@@ -126,13 +131,13 @@ def _check_entry(opt: "MuonAdamW", p: torch.Tensor, entry: Dict, group: Dict) ->
             raise ValueError(f"{where}: shape {tuple(value.shape)}, expected {expected}")
 
 
-def _load_entry(opt: "MuonAdamW", p: torch.Tensor, entry: Dict) -> None:
-    """Replaces p's state with `entry` (as torch does: state the entry lacks
-    starts fresh, zero moments and step; a missing master is the param),
+def _load_entry(states: OptimizerState, info: ParamInfo, entry: Dict, group: Dict) -> None:
+    """Replaces the param's state with `entry` (as torch does: state the entry
+    lacks starts fresh, zero moments and step; a missing master is the param),
     writing into the existing tensors."""
-    info = opt._param_info(p)
-    opt._init_state(info)
-    state = opt.state[p]
+    p = info.param
+    states.init(info, group)
+    state = states.tensors[p]
     for key in list(state):
         if key == "master_param" or key in entry:
             continue
@@ -155,10 +160,10 @@ def _load_entry(opt: "MuonAdamW", p: torch.Tensor, entry: Dict) -> None:
     if master is None and info.master == "fp32":
         # No saved master: the param is the master, whether the model weights
         # are loaded before or after this call; read it at the next use.
-        opt._masters_from_params.add(id(p))
+        states.defer_master_read(info)
         return
     if master is None:
         master = p.detach().float()  # a zero remainder: the param, whenever it is loaded, is the master
     elif master.dtype == torch.int16:
         master = ops.merge_master(p.detach(), master.to(p.device).contiguous())
-    opt._write_master(info, master.to(device=p.device, dtype=torch.float32).contiguous())
+    states.write_master(info, master.to(device=p.device, dtype=torch.float32).contiguous())

@@ -1,14 +1,16 @@
 """The kernels of muon_ext, callable directly.
 
-Thin wrappers over the compiled module: they normalize Python scalars and
-tensors and dispatch to the CPU or CUDA kernel by the params' device. The
-argument checks themselves live in the compiled boundary (csrc/bindings.cpp),
-so every entry point, Python or C++, validates before it writes anything.
+Thin wrappers over the `torch.ops.muon_ext.*` custom ops (csrc/ops.cpp; see
+docs/design.md, "Ops (torch.library)"): they normalize Python scalars (a float
+or tensor lr, nested Polar-Express coefficients) and call the op, which the
+dispatcher sends to the CPU, CUDA or Meta kernel by the tensors' device. The
+argument checks live in the ops themselves, so every entry point, Python, C++
+or a traced graph, validates before it writes anything.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -17,6 +19,9 @@ from . import _C
 __all__ = [
     "adamw_step",
     "muon_step",
+    "muon_momentum",
+    "muon_orthogonalize",
+    "muon_apply",
     "split_master",
     "merge_master",
     "cpu_capabilities",
@@ -28,6 +33,8 @@ POLAR_EXPRESS_COEFFICIENTS = tuple(tuple(abc) for abc in _C.polar_express_coeffi
 
 # Default bound on the Muon scratch per chunk of matrices.
 DEFAULT_MAX_WORKSPACE_BYTES = 1 << 30
+
+_ops = torch.ops.muon_ext
 
 
 def adamw_step(
@@ -62,24 +69,15 @@ def adamw_step(
     tensors share the params' device; on CUDA the call never syncs the host.
     Raises (TypeError / ValueError) before touching anything on bad input.
     """
-    lr_value, lr_tensor = _split_lr(lr, params)
-    _C.adamw_step(
-        list(params),
-        list(grads),
-        list(exp_avgs),
-        list(exp_avg_sqs),
-        list(masters),
-        list(steps),
-        lr_value,
-        lr_tensor,
-        float(beta1),
-        float(beta2),
-        float(eps),
-        float(weight_decay),
-        bool(adam_w_mode),
-        bool(bias_correction),
-        inv_scale,
-        found_inf,
+    if not _has_work("adamw_step", params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, steps=steps,
+                     masters=masters):
+        return
+    lr_value, lr_tensor = _split_lr("adamw_step", lr, params)
+    _entry("adamw_step", params[0])(
+        _tensors(params), _tensors(grads), _tensors(exp_avgs), _tensors(exp_avg_sqs), _tensors(masters),
+        _tensors(steps), lr=lr_value, lr_tensor=lr_tensor, beta1=float(beta1), beta2=float(beta2), eps=float(eps),
+        weight_decay=float(weight_decay), adam_w_mode=bool(adam_w_mode), bias_correction=bool(bias_correction),
+        inv_scale=inv_scale, found_inf=found_inf,
     )
 
 
@@ -113,7 +111,7 @@ def muon_step(
     momentum (Nesterov), Polar-Express orthogonalization with `ns_steps` of the
     (a, b, c) tuples (BF16 GEMMs on CUDA, FP32 on CPU), NorMuon, lr scaling by
     `lr_scale` ("original", "match_rms_adamw", "none") and cautious weight
-    decay on the FP32 master; see DESIGN.md. Matrices are processed in chunks
+    decay on the FP32 master; see docs/design.md, "Muon in three phases". Matrices are processed in chunks
     whose scratch stays under `max_workspace_bytes` (at least one matrix).
     `polar_row_blocks` (1..64) splits the symmetric products X X^T and A A into
     that many row blocks and multiplies only the upper block triangle (1: plain
@@ -122,28 +120,97 @@ def muon_step(
     `inv_scale` / `found_inf` behave as in `adamw_step`; on CUDA the call never
     syncs the host. Raises (TypeError / ValueError) before touching anything.
     """
-    lr_value, lr_tensor = _split_lr(lr, params)
-    coefficients = POLAR_EXPRESS_COEFFICIENTS if ns_coefficients is None else ns_coefficients
-    _C.muon_step(
-        list(params),
-        list(grads),
-        list(momentum_buffers),
-        list(second_momentum_buffers),
-        list(masters),
-        lr_value,
-        lr_tensor,
-        float(momentum),
-        bool(nesterov),
-        None if beta2 is None else float(beta2),
-        float(weight_decay),
-        int(ns_steps),
-        [[float(v) for v in abc] for abc in coefficients],
-        str(lr_scale),
-        inv_scale,
-        found_inf,
-        int(max_workspace_bytes),
-        _optional_int(polar_row_blocks, "polar_row_blocks"),
+    if not _has_work("muon_step", params, grads=grads, momentum_buffers=momentum_buffers,
+                     second_momentum_buffers=second_momentum_buffers, masters=masters):
+        return
+    lr_value, lr_tensor = _split_lr("muon_step", lr, params)
+    _entry("muon_step", params[0])(
+        _tensors(params), _tensors(grads), _tensors(momentum_buffers), _tensors(second_momentum_buffers),
+        _tensors(masters), lr=lr_value, lr_tensor=lr_tensor, momentum=float(momentum), nesterov=bool(nesterov),
+        beta2=None if beta2 is None else float(beta2), weight_decay=float(weight_decay), ns_steps=int(ns_steps),
+        ns_coefficients=_flat_coefficients("muon_step", ns_coefficients, ns_steps), lr_scale=str(lr_scale),
+        inv_scale=inv_scale, found_inf=found_inf, max_workspace_bytes=int(max_workspace_bytes),
+        polar_row_blocks=_optional_int(polar_row_blocks, "polar_row_blocks"),
     )
+
+
+def muon_momentum(
+    grads: Sequence[torch.Tensor],
+    momentum_buffers: Sequence[torch.Tensor],
+    updates: Sequence[torch.Tensor],
+    *,
+    momentum: float = 0.95,
+    nesterov: bool = True,
+    inv_scale: Optional[torch.Tensor] = None,
+    found_inf: Optional[torch.Tensor] = None,
+) -> None:
+    """Muon phase 1, elementwise on tensors of any shape (whole params or shards):
+    `momentum = lerp(momentum, g, 1 - mu)`, `updates = lerp(g, momentum, mu)`
+    (Nesterov) or `momentum`, with `g = grad * inv_scale`. `momentum_buffers` and
+    `updates` are FP32 and grad-shaped. Phases 1-3 in a row give `muon_step`'s bits.
+    """
+    if not _has_work("muon_momentum", updates, grads=grads, momentum_buffers=momentum_buffers, base="updates"):
+        return
+    _ops.muon_momentum(_tensors(grads), _tensors(momentum_buffers), _tensors(updates), momentum=float(momentum),
+                       nesterov=bool(nesterov), inv_scale=inv_scale, found_inf=found_inf)
+
+
+def muon_orthogonalize(
+    updates: Sequence[torch.Tensor],
+    second_momentum_buffers: Sequence[torch.Tensor] = (),
+    *,
+    beta2: Optional[float] = 0.95,
+    ns_steps: int = 5,
+    ns_coefficients: Optional[Sequence[Sequence[float]]] = None,
+    max_workspace_bytes: int = DEFAULT_MAX_WORKSPACE_BYTES,
+    polar_row_blocks: Optional[int] = None,
+    found_inf: Optional[torch.Tensor] = None,
+) -> None:
+    """Muon phase 2, on whole matrices: each FP32 `updates[i]` ([..., rows, cols],
+    one (rows, cols) per call) is scaled by its input norm, orthogonalized by
+    Polar-Express (as in `muon_step`: FP32 GEMMs on CPU, BF16 operands on CUDA)
+    and multiplied by its NorMuon multipliers (updating `second_momentum_buffers`,
+    shaped as in `muon_step`; empty when `beta2` is None), in place.
+    """
+    if not _has_work("muon_orthogonalize", updates, second_momentum_buffers=second_momentum_buffers,
+                     base="updates", optional=("second_momentum_buffers",)):
+        return
+    _ops.muon_orthogonalize(
+        _tensors(updates), _tensors(second_momentum_buffers), beta2=None if beta2 is None else float(beta2),
+        ns_steps=int(ns_steps), ns_coefficients=_flat_coefficients("muon_orthogonalize", ns_coefficients, ns_steps),
+        max_workspace_bytes=int(max_workspace_bytes),
+        polar_row_blocks=_optional_int(polar_row_blocks, "polar_row_blocks"), found_inf=found_inf,
+    )
+
+
+def muon_apply(
+    params: Sequence[torch.Tensor],
+    updates: Sequence[torch.Tensor],
+    *,
+    masters: Sequence[torch.Tensor] = (),
+    lr: Union[float, torch.Tensor],
+    weight_decay: float = 0.1,
+    lr_scale: str = "original",
+    matrix_shape: Optional[Tuple[int, int]] = None,
+    found_inf: Optional[torch.Tensor] = None,
+) -> None:
+    """Muon phase 3, elementwise on tensors of any shape (whole params or shards):
+    cautious weight decay and the update `updates` (FP32, from phase 2) on each
+    FP32 master, written back to the param and its master as in `muon_step`.
+    `lr` is scaled by `lr_scale` for matrices of `matrix_shape` (rows, cols; by
+    default params[0].shape[-2:], which a shard must pass explicitly).
+    """
+    if not _has_work("muon_apply", params, updates=updates, masters=masters):
+        return
+    if matrix_shape is None:
+        if params[0].dim() < 2:
+            raise ValueError("muon_apply: params[0] is not a matrix; pass matrix_shape=(rows, cols)")
+        matrix_shape = tuple(params[0].shape[-2:])
+    rows, cols = (int(v) for v in matrix_shape)
+    lr_value, lr_tensor = _split_lr("muon_apply", lr, params)
+    _ops.muon_apply(_tensors(params), _tensors(updates), _tensors(masters), lr=lr_value, lr_tensor=lr_tensor,
+                    weight_decay=float(weight_decay), lr_scale=str(lr_scale), rows=rows, cols=cols,
+                    found_inf=found_inf)
 
 
 def split_master(
@@ -157,14 +224,14 @@ def split_master(
     """
     param = torch.empty(master.shape, dtype=torch.bfloat16, device=master.device) if param is None else param
     remainder = torch.empty(master.shape, dtype=torch.int16, device=master.device) if remainder is None else remainder
-    _C.split_master(master, param, remainder)
+    _ops.split_master(master, param, remainder)
     return param, remainder
 
 
 def merge_master(param: torch.Tensor, remainder: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The exact FP32 masters held by BF16 params and int16 remainders."""
     out = torch.empty(param.shape, dtype=torch.float32, device=param.device) if out is None else out
-    _C.merge_master(param, remainder, out)
+    _ops.merge_master(param, remainder, out)
     return out
 
 
@@ -176,18 +243,60 @@ def _optional_int(value, name):
     return value
 
 
-def _split_lr(lr, params):
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def _entry(name: str, first: torch.Tensor):
+    """The callable for op `name`: torch.ops.muon_ext.<name>, or for a plain eager
+    call (no compile, no dispatch mode, no tensor subclass) its pybind twin in
+    `_C`, which runs the same checks and kernels without the ~70 ns per list
+    entry of a torch.ops call's generic argument conversion (csrc/ops.h)."""
+    if (type(first) in _PLAIN_TENSOR_TYPES and not torch.compiler.is_compiling()
+            and torch._C._len_torch_dispatch_stack() == 0):
+        return getattr(_C, name)
+    return getattr(_ops, name)
+
+
+def _tensors(seq) -> list:
+    """A list for a Tensor[] argument."""
+    return list(seq)
+
+
+def _has_work(op: str, main, base: str = "params", optional=("masters",), **lists) -> bool:
+    """False for a call with an empty main list (no op runs: the dispatcher needs a
+    tensor), after checking that the other lists are empty too."""
+    if len(main) != 0:
+        return True
+    for name, value in lists.items():
+        if len(value) != 0:
+            if name in optional:
+                raise ValueError(f"{op}: {name} must be empty or have one entry per param, got {len(value)} "
+                                 f"for 0 params")
+            raise ValueError(f"{op}: {name} has {len(value)} entries but {base} has 0")
+    return False
+
+
+def _flat_coefficients(op: str, coefficients, ns_steps) -> List[float]:
+    """The (a, b, c) triples as the op's flat float list; each must be a triple."""
+    coefficients = POLAR_EXPRESS_COEFFICIENTS if coefficients is None else coefficients
+    flat = []
+    for i, abc in enumerate(coefficients):
+        abc = tuple(abc)
+        if len(abc) != 3:
+            raise ValueError(f"{op}: ns_coefficients[{i}] must be an (a, b, c) triple, got {len(abc)} values")
+        flat.extend(float(v) for v in abc)
+    return flat
+
+
+def _split_lr(op: str, lr, params):
     """A host float, or a device tensor the kernel reads (a CPU tensor for device params is read here)."""
     if not isinstance(lr, torch.Tensor):
         return float(lr), None
-    if len(params) == 0:
-        return 0.0, None
-    on_params_device = len(params) > 0 and lr.device == params[0].device
-    if on_params_device:
+    if lr.device == params[0].device:
         return 0.0, lr
     if lr.device.type == "cpu":
         return float(lr.item()), None
-    raise ValueError(f"adamw_step: lr is on {lr.device} but params are on {params[0].device}")
+    raise ValueError(f"{op}: lr is on {lr.device} but params are on {params[0].device}")
 
 
 def cpu_capabilities() -> list:

@@ -42,9 +42,9 @@ struct AdamWCoeffs {
   bool adam_w_mode;
 };
 
-// Scalar hyper-parameters of one step, as passed by the caller.
+// Scalar hyper-parameters of one step (the learning rate is passed on its
+// own: a host float or a device tensor).
 struct AdamWHyper {
-  float lr;
   float beta1;
   float beta2;
   float eps;

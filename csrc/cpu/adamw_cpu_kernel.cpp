@@ -1,6 +1,6 @@
 // AdamW element kernel for one instruction set.  Built once per ISA with
-// CPU_CAPABILITY set to DEFAULT, AVX2 or AVX512 (see setup.py and
-// CMakeLists.txt), which selects the matching at::vec::Vectorized backend.
+// CPU_CAPABILITY set to DEFAULT, AVX2 or AVX512 (flags: csrc/build_flags.json),
+// which selects the matching at::vec::Vectorized backend.
 #include <ATen/Parallel.h>
 #include <ATen/cpu/vec/vec.h>
 

@@ -19,6 +19,7 @@
 #include "../common/polar_plan.h"
 #include "../common/remainder.h"
 #include "scalar_io.h"
+#include "scalar_kind.h"
 
 namespace muon_ext {
 namespace cpu {
@@ -32,14 +33,6 @@ struct MatrixRef {
   int64_t param;
   int64_t index;
 };
-
-ScalarKind scalar_kind(const at::Tensor& t) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return ScalarKind::kFloat32;
-    case at::kBFloat16: return ScalarKind::kBFloat16;
-    default: return ScalarKind::kFloat16;
-  }
-}
 
 // Calls fn(std::integral_constant<ScalarKind, K>) for the format of a float tensor.
 template <typename Fn>
@@ -76,18 +69,35 @@ void for_each_matrix_range(int64_t matrices, int64_t matrix_numel, const Fn& fn)
   });
 }
 
-// Pre-pass: momentum + Nesterov into the workspace, then X = u / (||u|| * 1.02 + 1e-6).
+int64_t items_per_matrix(int64_t matrix_numel) { return (matrix_numel + kWorkItem - 1) / kWorkItem; }
+
+// X = u / (||u||_F * 1.02 + 1e-6) in place on `count` contiguous matrices of n
+// elements, from per-work-item partial sums of u^2 (partial[j * items + item],
+// each the sum_of_squares of one kWorkItem range), combined in item order:
+// deterministic for any thread count, and the same whether the partials were
+// taken while computing u (fused step) or from a stored u (phase 2).
+void scale_by_input_norm(float* xs, int64_t count, int64_t n, const std::vector<double>& partial) {
+  const int64_t items = items_per_matrix(n);
+  for_each_matrix_range(count, n, [&](int64_t j, int64_t begin, int64_t end) {
+    double sum = 0.0;
+    for (int64_t i = 0; i < items; ++i) sum += partial[j * items + i];
+    const float scale = polar_input_scale(static_cast<float>(sum));
+    float* out = xs + j * n;
+    for (int64_t k = begin; k < end; ++k) out[k] = out[k] * scale;
+  });
+}
+
+// Pre-pass of the fused step: momentum + Nesterov into the workspace, then the input scale.
 void momentum_and_scale(const MuonBucket& b, const MuonStepOptions& o, const std::vector<MatrixRef>& mats,
                         float inv_scale, at::Tensor& x) {
   const int64_t n = b.matrix_numel();
-  const int64_t items_per_matrix = (n + kWorkItem - 1) / kWorkItem;
+  const int64_t items = items_per_matrix(n);
   const int64_t count = static_cast<int64_t>(mats.size());
-  // Per-item partial sums, combined in item order: deterministic for any thread count.
-  std::vector<double> partial(count * items_per_matrix, 0.0);
+  std::vector<double> partial(count * items, 0.0);
   float* xs = x.data_ptr<float>();
   const float mu = o.hyper.momentum;
   const bool nesterov = o.hyper.nesterov;
-  dispatch_storage(scalar_kind(b.grads[0]), [&](auto grad_storage) {
+  dispatch_storage(scalar_kind(b.grads[0].scalar_type()), [&](auto grad_storage) {
     constexpr ScalarKind G = decltype(grad_storage)::value;
     for_each_matrix_range(count, n, [&](int64_t j, int64_t begin, int64_t end) {
       const int64_t offset = mats[j].index * n;
@@ -95,18 +105,12 @@ void momentum_and_scale(const MuonBucket& b, const MuonStepOptions& o, const std
       float* mom = b.momentum_buffers[mats[j].param].data_ptr<float>() + offset;
       float* out = xs + j * n;
       for (int64_t k = begin; k < end; ++k) {
-        out[k] = muon_momentum(mom[k], load_scalar<G>(grad, offset + k) * inv_scale, mu, nesterov);
+        out[k] = muon_ext::muon_momentum(mom[k], load_scalar<G>(grad, offset + k) * inv_scale, mu, nesterov);
       }
-      partial[j * items_per_matrix + begin / kWorkItem] = sum_of_squares(out + begin, end - begin);
+      partial[j * items + begin / kWorkItem] = sum_of_squares(out + begin, end - begin);
     });
   });
-  for_each_matrix_range(count, n, [&](int64_t j, int64_t begin, int64_t end) {
-    double sum = 0.0;
-    for (int64_t i = 0; i < items_per_matrix; ++i) sum += partial[j * items_per_matrix + i];
-    const float scale = polar_input_scale(static_cast<float>(sum));
-    float* out = xs + j * n;
-    for (int64_t k = begin; k < end; ++k) out[k] = out[k] * scale;
-  });
+  scale_by_input_norm(xs, count, n, partial);
 }
 
 // A PolarView of one matrix's buffer slot (a flat contiguous tensor) as a tensor.
@@ -172,14 +176,16 @@ void polar_express(at::Tensor& x, const std::vector<std::array<float, 3>>& coeff
   }
 }
 
-// NorMuon: per-row (rows >= cols) or per-column multipliers, updating the
-// second-moment state.  mult is [count, stat_length].
-void normuon_multipliers(const MuonBucket& b, const MuonStepOptions& o, const std::vector<MatrixRef>& mats,
-                         const at::Tensor& x, std::vector<float>& mult) {
-  const int64_t rows = b.rows, cols = b.cols, len = b.stat_length(), red = b.reduced_length();
+// NorMuon: per-row (rows >= cols) or per-column multipliers of `count`
+// contiguous matrices at xs, updating the second-moment state of matrix j at
+// second_moment(j).  mult is [count, stat_length].
+template <typename SecondMoment>
+void normuon_multipliers(int64_t rows, int64_t cols, float beta2, int64_t count, const float* xs,
+                         const SecondMoment& second_moment, std::vector<float>& mult) {
+  const int64_t len = rows >= cols ? rows : cols, red = rows >= cols ? cols : rows;
   const bool per_row = rows >= cols;
-  const float* xs = x.const_data_ptr<float>();
-  at::parallel_for(0, static_cast<int64_t>(mats.size()), 1, [&](int64_t first, int64_t last) {
+  mult.assign(count * len, 0.0f);
+  at::parallel_for(0, count, 1, [&](int64_t first, int64_t last) {
     std::vector<double> sums(len);
     for (int64_t j = first; j < last; ++j) {
       const float* xm = xs + j * rows * cols;
@@ -192,12 +198,12 @@ void normuon_multipliers(const MuonBucket& b, const MuonStepOptions& o, const st
           for (int64_t c = 0; c < cols; ++c) sums[c] += double(row[c]) * double(row[c]);
         }
       }
-      float* smb = b.second_momentum_buffers[mats[j].param].data_ptr<float>() + mats[j].index * len;
+      float* smb = second_moment(j);
       float* out = mult.data() + j * len;
       float sum_vm = 0.0f, sum_scaled = 0.0f;
       for (int64_t i = 0; i < len; ++i) {
         const float vm = normuon_mean_square(static_cast<float>(sums[i]), red);
-        smb[i] = lerp(smb[i], vm, 1.0f - o.hyper.beta2);
+        smb[i] = lerp(smb[i], vm, 1.0f - beta2);
         out[i] = normuon_step_size(smb[i]);
         sum_vm += vm;
         sum_scaled += ((vm * float(red)) * out[i]) * out[i];
@@ -233,7 +239,7 @@ void apply_range(void* param, void* master, const float* x, const float* mult, b
       } else {
         p = load_scalar<P>(param, i);
       }
-      p = muon_apply(p, update, lr, lr_wd);
+      p = muon_ext::muon_apply(p, update, lr, lr_wd);
       if constexpr (M == MasterKind::kRemainder) {
         const RemainderSplit s = split_master(p);
         static_cast<uint16_t*>(param)[i] = s.bf16_bits;
@@ -246,35 +252,55 @@ void apply_range(void* param, void* master, const float* x, const float* mult, b
   }
 }
 
+// Calls fn(std::integral_constant<ScalarKind, P>, std::integral_constant<MasterKind, M>)
+// for a param dtype and master kind the checks admitted.
+template <typename Fn>
+void dispatch_param(at::ScalarType param_dtype, MasterKind master_kind, const Fn& fn) {
+  dispatch_storage(scalar_kind(param_dtype), [&](auto param_storage) {
+    constexpr ScalarKind P = decltype(param_storage)::value;
+    switch (master_kind) {
+      case MasterKind::kNone: return fn(param_storage, std::integral_constant<MasterKind, MasterKind::kNone>{});
+      case MasterKind::kFP32:
+        if constexpr (P != ScalarKind::kFloat32) {
+          return fn(param_storage, std::integral_constant<MasterKind, MasterKind::kFP32>{});
+        }
+        break;
+      case MasterKind::kRemainder:
+        if constexpr (P == ScalarKind::kBFloat16) {
+          return fn(param_storage, std::integral_constant<MasterKind, MasterKind::kRemainder>{});
+        }
+        break;
+    }
+    TORCH_CHECK(false, "muon: unsupported master kind for this param dtype");
+  });
+}
+
 void apply_update(const MuonBucket& b, const std::vector<MatrixRef>& mats, const at::Tensor& x,
                   const std::vector<float>* mult, float lr, float lr_wd) {
   const int64_t n = b.matrix_numel(), len = b.stat_length();
   const bool per_row = b.rows >= b.cols;
   const float* xs = x.const_data_ptr<float>();
-  dispatch_storage(scalar_kind(b.params[0]), [&](auto param_storage) {
+  dispatch_param(b.params[0].scalar_type(), b.master_kind, [&](auto param_storage, auto master_kind) {
     constexpr ScalarKind P = decltype(param_storage)::value;
-    auto run = [&](auto master_kind) {
-      constexpr MasterKind M = decltype(master_kind)::value;
-      for_each_matrix_range(static_cast<int64_t>(mats.size()), n, [&](int64_t j, int64_t begin, int64_t end) {
-        const int64_t p = mats[j].param;
-        void* master = b.masters.empty() ? nullptr : b.masters[p].data_ptr();
-        apply_range<P, M>(b.params[p].data_ptr(), master, xs + j * n,
-                          mult != nullptr ? mult->data() + j * len : nullptr, per_row, b.cols,
-                          mats[j].index * n, begin, end, lr, lr_wd);
-      });
-    };
-    switch (b.master_kind) {
-      case MasterKind::kNone: return run(std::integral_constant<MasterKind, MasterKind::kNone>{});
-      case MasterKind::kFP32:
-        if constexpr (P != ScalarKind::kFloat32) return run(std::integral_constant<MasterKind, MasterKind::kFP32>{});
-        break;
-      case MasterKind::kRemainder:
-        if constexpr (P == ScalarKind::kBFloat16) {
-          return run(std::integral_constant<MasterKind, MasterKind::kRemainder>{});
-        }
-        break;
-    }
-    TORCH_CHECK(false, "muon_step: unsupported master kind for this param dtype");
+    constexpr MasterKind M = decltype(master_kind)::value;
+    for_each_matrix_range(static_cast<int64_t>(mats.size()), n, [&](int64_t j, int64_t begin, int64_t end) {
+      const int64_t p = mats[j].param;
+      void* master = b.masters.empty() ? nullptr : b.masters[p].data_ptr();
+      apply_range<P, M>(b.params[p].data_ptr(), master, xs + j * n, mult != nullptr ? mult->data() + j * len : nullptr,
+                        per_row, b.cols, mats[j].index * n, begin, end, lr, lr_wd);
+    });
+  });
+}
+
+// NorMuon's multipliers folded into X: x = x * mult[row or col], the product
+// the fused apply forms, so phase 3 reads the same update values.
+void fold_multipliers(float* xs, int64_t count, int64_t rows, int64_t cols, const std::vector<float>& mult) {
+  const int64_t n = rows * cols, len = rows >= cols ? rows : cols;
+  const bool per_row = rows >= cols;
+  for_each_matrix_range(count, n, [&](int64_t j, int64_t begin, int64_t end) {
+    float* x = xs + j * n;
+    const float* m = mult.data() + j * len;
+    for (int64_t k = begin; k < end; ++k) x[k] = x[k] * m[per_row ? k / cols : k % cols];
   });
 }
 
@@ -306,11 +332,75 @@ void muon_step(const MuonBucket& b, const MuonStepOptions& o) {
     momentum_and_scale(b, o, mats, inv_scale, x);
     polar_express(x, o.coefficients, b.rows, b.cols, o.polar_row_blocks);
     if (o.hyper.normuon) {
-      mult.assign(mats.size() * b.stat_length(), 0.0f);
-      normuon_multipliers(b, o, mats, x, mult);
+      const int64_t len = b.stat_length();
+      normuon_multipliers(b.rows, b.cols, o.hyper.beta2, static_cast<int64_t>(mats.size()), x.const_data_ptr<float>(),
+                          [&](int64_t j) {
+                            return b.second_momentum_buffers[mats[j].param].data_ptr<float>() + mats[j].index * len;
+                          },
+                          mult);
     }
     apply_update(b, mats, x, o.hyper.normuon ? &mult : nullptr, lr, lr_wd);
   }
+}
+
+void muon_momentum(const MuonMomentumArgs& args, float inv_scale) {
+  const float mu = args.momentum;
+  const bool nesterov = args.nesterov;
+  dispatch_storage(scalar_kind(args.grads[0].scalar_type()), [&](auto grad_storage) {
+    constexpr ScalarKind G = decltype(grad_storage)::value;
+    for (size_t i = 0; i < args.updates.size(); ++i) {
+      const void* grad = args.grads[i].const_data_ptr();
+      float* mom = args.momentum_buffers[i].data_ptr<float>();
+      float* out = args.updates[i].data_ptr<float>();
+      at::parallel_for(0, args.updates[i].numel(), kWorkItem, [&](int64_t begin, int64_t end) {
+        for (int64_t k = begin; k < end; ++k) {
+          out[k] = muon_ext::muon_momentum(mom[k], load_scalar<G>(grad, k) * inv_scale, mu, nesterov);
+        }
+      });
+    }
+  });
+}
+
+void muon_orthogonalize(const MuonOrthogonalizeArgs& args) {
+  const int64_t rows = args.rows, cols = args.cols, n = args.matrix_numel(), len = args.stat_length();
+  const int64_t items = items_per_matrix(n);
+  std::vector<double> partial;
+  std::vector<float> mult;
+  for (size_t i = 0; i < args.updates.size(); ++i) {
+    const at::Tensor x = args.updates[i].view({-1, rows, cols});
+    const int64_t count = x.size(0);
+    float* xs = x.data_ptr<float>();
+    partial.assign(count * items, 0.0);
+    for_each_matrix_range(count, n, [&](int64_t j, int64_t begin, int64_t end) {
+      partial[j * items + begin / kWorkItem] = sum_of_squares(xs + j * n + begin, end - begin);
+    });
+    scale_by_input_norm(xs, count, n, partial);
+    at::Tensor matrices = x;
+    polar_express(matrices, args.coefficients, rows, cols, args.polar_row_blocks);
+    if (!args.normuon) continue;
+    float* smb = args.second_momentum_buffers[i].data_ptr<float>();
+    normuon_multipliers(rows, cols, args.beta2, count, xs, [&](int64_t j) { return smb + j * len; }, mult);
+    fold_multipliers(xs, count, rows, cols, mult);
+  }
+}
+
+void muon_apply(const MuonApplyArgs& args, float lr) {
+  const float lr_wd = lr * args.weight_decay;
+  dispatch_param(args.params[0].scalar_type(), args.master_kind, [&](auto param_storage, auto master_kind) {
+    constexpr ScalarKind P = decltype(param_storage)::value;
+    constexpr MasterKind M = decltype(master_kind)::value;
+    for (size_t i = 0; i < args.params.size(); ++i) {
+      const int64_t numel = args.params[i].numel();
+      if (numel == 0) continue;
+      void* param = args.params[i].data_ptr();
+      void* master = args.masters.empty() ? nullptr : args.masters[i].data_ptr();
+      const float* update = args.updates[i].const_data_ptr<float>();
+      at::parallel_for(0, numel, kWorkItem, [&](int64_t begin, int64_t end) {
+        // One "row" spanning the tensor: without multipliers rows play no part.
+        apply_range<P, M>(param, master, update, nullptr, true, numel, 0, begin, end, lr, lr_wd);
+      });
+    }
+  });
 }
 
 }  // namespace cpu

@@ -1,5 +1,5 @@
-// CPU Muon step on one bucket of same-shape matrices: the same passes as the
-// CUDA path, with the Polar-Express GEMMs in FP32.
+// CPU Muon kernels: the same passes as the CUDA path, with the Polar-Express
+// GEMMs in FP32.
 #pragma once
 
 #include "../muon_args.h"
@@ -10,6 +10,12 @@ namespace cpu {
 // One Muon step on a validated bucket of CPU tensors.  A nonzero found_inf
 // must be handled by the caller (it must not call).
 void muon_step(const MuonBucket& bucket, const MuonStepOptions& options);
+
+// The three phases on validated CPU arguments (found_inf handled by the
+// caller, as above).  Composed, they give muon_step's bits.
+void muon_momentum(const MuonMomentumArgs& args, float inv_scale);
+void muon_orthogonalize(const MuonOrthogonalizeArgs& args);
+void muon_apply(const MuonApplyArgs& args, float lr);
 
 }  // namespace cpu
 }  // namespace muon_ext

@@ -1,5 +1,5 @@
 // CPU multi-tensor AdamW (csrc/cpu) against a scalar reference written here
-// from DESIGN.md ("AdamW", "BF16 + int16 remainder master weights").  The
+// from docs/design.md ("Rounding contract", "Master weights and remainders").  The
 // reference evaluates the formula in adamw_element's operation order, so every
 // instruction set must reproduce it bit for bit.
 #include <gtest/gtest.h>
@@ -36,7 +36,7 @@ float u2f(uint32_t u) {
 }
 
 // Conversions for the reference come from c10 (torch's `.to(dtype)`) and the
-// DESIGN rule, never from the headers under test.
+// rules in docs/design.md ("Rounding contract"), never from the headers under test.
 float upcast16(ScalarKind k, uint16_t h) {
   return k == ScalarKind::kBFloat16 ? u2f(uint32_t(h) << 16) : float(c10::Half(h, c10::Half::from_bits()));
 }
@@ -169,8 +169,9 @@ double reference_pow(double base, float step) {
   return result;
 }
 
-// DESIGN.md's AdamW, in adamw_element's order; the reciprocal bias corrections
-// are computed in double and rounded once, as make_adamw_coeffs documents.
+// AdamW as docs/design.md writes it ("Rounding contract"), in adamw_element's
+// order; the reciprocal bias corrections are computed in double and rounded
+// once, as make_adamw_coeffs documents.
 void reference_step(std::vector<HostTensor>& ts, const AdamWHyper& h, float lr, float inv_scale) {
   const float one_minus_b1 = 1.0f - h.beta1, one_minus_b2 = 1.0f - h.beta2;
   for (HostTensor& t : ts) {
@@ -245,7 +246,7 @@ TEST_P(AdamWCpu, MatchesScalarReferenceBitExact) {
   for (CpuCapability cap : available_capabilities()) {
     for (bool adam_w : {true, false}) {
       for (bool bias_correction : {true, false}) {
-        const AdamWHyper hyper{0.0f, 0.9f, 0.999f, 1e-8f, adam_w ? 0.1f : 0.05f, adam_w, bias_correction};
+        const AdamWHyper hyper{0.9f, 0.999f, 1e-8f, adam_w ? 0.1f : 0.05f, adam_w, bias_correction};
         for (const auto& layout : layouts) {
           std::mt19937 rng(uint32_t(layout.size() * 7919 + layout[0]));
           std::vector<HostTensor> kernel;
@@ -256,8 +257,7 @@ TEST_P(AdamWCpu, MatchesScalarReferenceBitExact) {
           for (int s = 0; s < 3; ++s) {
             fill_grads(kernel, rng, 1.0f / inv_scales[s] * 0.01f);
             for (size_t k = 0; k < kernel.size(); ++k) ref[k].g32 = kernel[k].g32, ref[k].g16 = kernel[k].g16;
-            AdamWHyper h = hyper;
-            h.lr = lrs[s];
+            const AdamWHyper& h = hyper;
             adamw_step(make_batch(c, kernel), h, lrs[s], inv_scales[s], cap);
             reference_step(ref, h, lrs[s], inv_scales[s]);
             for (size_t k = 0; k < kernel.size(); ++k) {
@@ -301,13 +301,14 @@ TEST(AdamWCpuMasters, SameTrajectoryForFP32ParamFP32MasterAndRemainder) {
       }
       b[0].master32 = a[0].p32;
       std::fill(r[0].rem.begin(), r[0].rem.end(), int16_t(0));
-      const AdamWHyper h{1e-2f, 0.9f, 0.95f, 1e-8f, 0.1f, adam_w, true};
+      const AdamWHyper h{0.9f, 0.95f, 1e-8f, 0.1f, adam_w, true};
+      const float lr = 1e-2f;
       for (int s = 0; s < 20; ++s) {
         fill_grads(a, rng, 0.1f);
         b[0].g32 = r[0].g32 = a[0].g32;
-        adamw_step(make_batch(own, a), h, h.lr, 0.5f, cap);
-        adamw_step(make_batch(fp32, b), h, h.lr, 0.5f, cap);
-        adamw_step(make_batch(remainder, r), h, h.lr, 0.5f, cap);
+        adamw_step(make_batch(own, a), h, lr, 0.5f, cap);
+        adamw_step(make_batch(fp32, b), h, lr, 0.5f, cap);
+        adamw_step(make_batch(remainder, r), h, lr, 0.5f, cap);
         std::vector<float> reconstructed(n);
         for (int64_t i = 0; i < n; ++i) reconstructed[i] = r[0].read_master(i);
         ASSERT_TRUE(same_bits("FP32 master vs FP32 param", b[0].master32, a[0].p32)) << "step " << s + 1;
@@ -339,11 +340,12 @@ TEST(AdamWCpuIsa, ExtremeInputsMatchDefault) {
     }
     fill_grads(base, rng, 1.0f);
     for (int64_t i = 1; i < base[0].n; i += 5) base[0].set_grad(i, specials[pick(rng)]);
-    const AdamWHyper h{1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, true, true};
+    const AdamWHyper h{0.9f, 0.999f, 1e-8f, 0.01f, true, true};
+    const float lr = 1e-3f;
     std::vector<std::vector<HostTensor>> out;
     for (CpuCapability cap : caps) {
       out.push_back(base);
-      adamw_step(make_batch(c, out.back()), h, h.lr, 1.0f, cap);
+      adamw_step(make_batch(c, out.back()), h, lr, 1.0f, cap);
     }
     for (size_t k = 1; k < caps.size(); ++k) {
       EXPECT_TRUE(same_state(out[k][0], out[0][0]))
@@ -364,13 +366,14 @@ TEST(AdamWCpuDispatch, UnsupportedCombinationsThrow) {
   const Combo bad[] = {{ScalarKind::kFloat32, ScalarKind::kFloat32, MasterKind::kFP32},
                        {ScalarKind::kFloat32, ScalarKind::kFloat32, MasterKind::kRemainder},
                        {ScalarKind::kFloat16, ScalarKind::kFloat32, MasterKind::kRemainder}};
-  const AdamWHyper h{1e-3f, 0.9f, 0.999f, 1e-8f, 0.01f, true, true};
+  const AdamWHyper h{0.9f, 0.999f, 1e-8f, 0.01f, true, true};
+    const float lr = 1e-3f;
   for (const Combo& c : bad) {
     AdamWBatch batch;
     batch.param_kind = c.param;
     batch.grad_kind = c.grad;
     batch.master_kind = c.master;
-    EXPECT_THROW(adamw_step(batch, h, h.lr, 1.0f, CpuCapability::kDefault), c10::Error)
+    EXPECT_THROW(adamw_step(batch, h, lr, 1.0f, CpuCapability::kDefault), c10::Error)
         << kind_name(c.param) << " + " << master_name(c.master);
   }
 }

@@ -81,7 +81,7 @@ Matrix transpose(const Matrix& x, int64_t rows, int64_t cols) {
   return out;
 }
 
-// One iteration exactly as DESIGN.md writes it.
+// One iteration exactly as docs/design.md writes it ("Muon in three phases").
 Matrix direct_iteration(const Matrix& x, int64_t rows, int64_t cols, double a, double b, double c) {
   const int64_t side = std::min(rows, cols);
   const bool wide = rows <= cols;

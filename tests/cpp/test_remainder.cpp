@@ -1,5 +1,5 @@
 // BF16 + int16 remainder split/merge (csrc/common/remainder.h) against the
-// rule in DESIGN.md ("BF16 + int16 remainder master weights").
+// rule in docs/design.md ("Master weights and remainders").
 #include <gtest/gtest.h>
 
 #include <c10/util/BFloat16.h>
@@ -60,11 +60,12 @@ std::string hex32(uint32_t x) {
   return buf;
 }
 
-// The rule, written from DESIGN.md rather than from the header.
+// The rule, written from docs/design.md ("Master weights and remainders") rather
+// than from the header.
 uint16_t rule_bf16_bits(uint32_t b) { return uint16_t(((b >> 16) + ((b & 0xFFFFu) >= 0x8000u)) & 0xFFFFu); }
 int16_t rule_remainder(uint32_t b) { return int16_t(uint16_t(b & 0xFFFFu)); }
 
-// DESIGN's reconstruction: hi = bf16 - (rem < 0), b = (hi << 16) | (uint16) rem.
+// The design's reconstruction: hi = bf16 - (rem < 0), b = (hi << 16) | (uint16) rem.
 uint32_t design_reconstruct(uint16_t bf16_bits, int16_t rem) {
   const uint32_t hi = uint32_t(uint16_t(bf16_bits - (rem < 0 ? 1 : 0)));
   return (hi << 16) | uint32_t(uint16_t(rem));
@@ -107,7 +108,7 @@ TEST(Remainder, EdgePatterns) {
       {0xFF800000u, 0xFF80, 0, "-inf"},
       {0x7FC00000u, 0x7FC0, 0, "canonical quiet NaN"},
       {0x7F800001u, 0x7F80, 1, "signalling NaN: stored BF16 reads as +inf"},
-      {0x7FFF8000u, 0x8000, -32768, "NaN payload: BF16 -0.0 (DESIGN example)"},
+      {0x7FFF8000u, 0x8000, -32768, "NaN payload: BF16 -0.0 (docs/design.md example)"},
       {0x7FFFFFFFu, 0x8000, -1, "largest +NaN pattern carries into the sign bit"},
       {0x7F7FFFFFu, 0x7F80, -1, "max finite: carry to BF16 inf bits"},
       {0x7F7F8000u, 0x7F80, -32768, "max-finite tie: carry to BF16 inf bits"},

@@ -27,7 +27,7 @@ POLAR_EXPRESS = (
 
 
 def test_group_defaults_and_extra_keys():
-    """Missing keys get DESIGN's defaults; given values and unknown keys (lr_mult) stay untouched."""
+    """Missing keys get the schema's defaults; given values and unknown keys (lr_mult) stay untouched."""
     marker = object()
     w, b = torch.nn.Parameter(torch.randn(4, 6)), torch.nn.Parameter(torch.randn(6))
     opt = MuonAdamW([{"params": [w], "kind": "muon", "lr_mult": 2.0, "tag": marker},

@@ -1,0 +1,61 @@
+"""Mode aliases, the records the optimizer's modules pass between them, and a
+type predicate.
+
+The aliases are for type hints only: the accepted values are read from the C++
+table (`muon_ext.schema.MODES`), and tests hold the two to the same names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Literal, NamedTuple
+
+import torch
+
+__all__ = ["Kind", "MasterMode", "LrScale", "MatrixView", "GradAttr", "ParamInfo", "Bucket", "WorkItem",
+           "is_dtensor"]
+
+Kind = Literal["muon", "adamw"]
+MasterMode = Literal["none", "fp32", "remainder"]
+LrScale = Literal["original", "match_rms_adamw", "none"]
+MatrixView = Literal["error", "flatten", "batch"]
+GradAttr = Literal["grad", "main_grad"]
+
+
+@dataclass
+class ParamInfo:
+    """How the optimizer treats one param (fixed at construction)."""
+
+    param: torch.nn.Parameter
+    group: int  # index of its param group
+    index: int  # position within its group
+    kind: Kind
+    master: MasterMode
+    name: str  # for messages
+
+
+@dataclass
+class Bucket:
+    """Params stepped together: same group, device, dtype, master mode and (Muon) matrix shape."""
+
+    group: int
+    kind: Kind
+    params: List[torch.nn.Parameter]
+
+
+class WorkItem(NamedTuple):
+    """One kernel call of a step: a bucket's params that have grads of one dtype."""
+
+    bucket: Bucket
+    group: dict
+    params: List[torch.nn.Parameter]
+    grads: List[torch.Tensor]
+
+
+def is_dtensor(t) -> bool:
+    """Whether `t` is a torch.distributed DTensor (False where torch has no distributed)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch without distributed
+        return False
+    return isinstance(t, DTensor)

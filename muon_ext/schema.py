@@ -1,0 +1,250 @@
+"""The param-group schema: defaults, the accepted ranges and modes, and every
+check of a setting.
+
+Ranges and mode names are not written here: they are read from the C++ table
+(csrc/common/schema.h, through `_C.schema()`) that the kernels' own checks use,
+so Python and C++ cannot accept different values.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from typing import Container, Dict, List, NamedTuple, Optional, Tuple
+
+import torch
+
+from . import _C, ops
+from ._shapes import matrix_shape
+from ._types import Kind, is_dtensor
+
+__all__ = [
+    "MUON_DEFAULTS", "ADAMW_DEFAULTS", "DEFAULTS", "SUPPORTED_DTYPES", "Range", "RANGES", "MODES",
+    "label", "check_hyper", "check_lr", "check_lr_value", "check_options", "new_group", "check_group",
+]
+
+MUON_DEFAULTS = {
+    "lr": 1e-3,
+    "weight_decay": 0.1,
+    "momentum": 0.95,
+    "nesterov": True,
+    "beta2": 0.95,
+    "ns_steps": 5,
+    "ns_coefficients": ops.POLAR_EXPRESS_COEFFICIENTS,
+    "lr_scale": "original",
+    "matrix_view": "error",
+}
+ADAMW_DEFAULTS = {
+    "lr": 1e-3,
+    "betas": (0.9, 0.999),
+    "eps": 1e-8,
+    "weight_decay": 0.01,
+    "adam_w_mode": True,
+    "bias_correction": True,
+}
+DEFAULTS: Dict[Kind, dict] = {"muon": MUON_DEFAULTS, "adamw": ADAMW_DEFAULTS}
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class Range(NamedTuple):
+    """Finite values in [low, high) ([low, high] if high_inclusive); ints only (not bools) if integer."""
+
+    low: float
+    high: float
+    high_inclusive: bool
+    integer: bool
+
+    def admits(self, value) -> bool:
+        """Whether `value` is in range; a real must be, both as given and rounded
+        to float32 (the kernels compute in FP32: a beta just below 1 rounds to 1)."""
+        if self.integer:
+            return isinstance(value, int) and not isinstance(value, bool) and self._in_bounds(value)
+        return self._in_bounds(value) and self._in_bounds(_to_float32(value))
+
+    def _in_bounds(self, value) -> bool:
+        if value != value or value in (math.inf, -math.inf) or value < self.low:  # NaN, inf
+            return False
+        return value <= self.high if self.high_inclusive else value < self.high
+
+    def describe(self) -> str:
+        """The range for messages: 'in [0.0, 1.0)', 'an int >= 0', 'positive (an int)'."""
+        close = "]" if self.high_inclusive else ")"
+        if not self.integer:
+            return f"in [{self.low}, {self.high}{close}"
+        if math.isinf(self.high):
+            return "positive (an int)" if self.low == 1 else f"an int >= {int(self.low)}"
+        return f"an int in [{int(self.low)}, {int(self.high)}{close}"
+
+
+def _to_float32(value) -> float:
+    """`value` rounded to float32 (as a C cast: inf where it overflows)."""
+    try:
+        return struct.unpack("f", struct.pack("f", float(value)))[0]
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
+
+
+def _read_table() -> Tuple[Dict[Tuple[str, str], Range], Dict[str, Tuple[str, ...]]]:
+    table = _C.schema()
+    ranges = {(kind, name): Range(float(low), float(high), bool(inclusive), bool(integer))
+              for kind, name, low, high, inclusive, integer in table["ranges"]}
+    modes = {name: tuple(values) for name, values in table["modes"].items()}
+    return ranges, modes
+
+
+# (kind, name) -> Range, kind "adamw" | "muon" | "optimizer"; mode -> its accepted strings.
+RANGES, MODES = _read_table()
+
+
+def label(group: int, kind: str, index: int, name: Optional[str]) -> str:
+    """How messages name a param: 'param group 1 (muon), param 3 'layers.0.w''."""
+    return f"param group {group} ({kind}), param {index}" + (f" '{name}'" if name else "")
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_range(where: str, name: str, value, kind: str, key: Optional[str] = None) -> None:
+    """`value` in the table's range for (kind, key or name); messages name it `name`."""
+    r = RANGES[(kind, key or name)]
+    if not r.integer and not _is_real(value):
+        raise TypeError(f"{where}{name} must be a number, got {type(value).__name__}")
+    if not r.admits(value):
+        raise ValueError(f"{where}{name} must be {r.describe()}, got {value!r}")
+
+
+def _check_mode(where: str, mode: str, value) -> None:
+    values = MODES[mode]
+    if value in values:
+        return
+    choices = ", ".join(repr(v) for v in values[:-1]) + f" or {values[-1]!r}"
+    raise ValueError(f"{where}unknown {mode} {value!r} ({mode} must be {choices})")
+
+
+def _check_bool(where: str, name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{where}{name} must be True or False, got {value!r}")
+
+
+def check_lr(where: str, lr, kind: str) -> None:
+    """A float lr in the kind's range, or a one-element float32 tensor (its value is checked where it is read)."""
+    if isinstance(lr, torch.Tensor):
+        if lr.dtype != torch.float32 or lr.numel() != 1:
+            raise TypeError(f"{where}a tensor lr must hold one float32 element, got {lr.dtype} "
+                            f"with {lr.numel()} elements")
+        return
+    _check_range(where, "lr", lr, kind)
+
+
+def check_lr_value(where: str, value: float, kind: str) -> None:
+    """A host lr value (read from a CPU lr tensor) in the kind's range."""
+    r = RANGES[(kind, "lr")]
+    if not r.admits(value):
+        raise ValueError(f"{where}lr must be finite and {r.describe()}, got {value}")
+
+
+def check_hyper(index: int, group: dict) -> None:
+    """Every group setting the kernels read, checked up front: at construction,
+    on loaded groups and at each step (schedulers and users edit groups), so a
+    bad value raises before any param is touched."""
+    kind = group["kind"]
+    where = f"param group {index} ({kind}): "
+    check_lr(where, group["lr"], kind)
+    _check_range(where, "weight_decay", group["weight_decay"], kind)
+    if kind == "adamw":
+        betas = group["betas"]
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise TypeError(f"{where}betas must be a pair (beta1, beta2), got {betas!r}")
+        _check_range(where, "betas[0]", betas[0], kind, "beta1")
+        _check_range(where, "betas[1]", betas[1], kind, "beta2")
+        _check_range(where, "eps", group["eps"], kind)
+        _check_bool(where, "adam_w_mode", group["adam_w_mode"])
+        _check_bool(where, "bias_correction", group["bias_correction"])
+        for flag in ("amsgrad", "maximize"):
+            if group.get(flag):
+                raise ValueError(f"{where}{flag}=True is not supported (it changes the AdamW update)")
+        return
+    _check_mode(where, "matrix_view", group["matrix_view"])
+    _check_mode(where, "lr_scale", group["lr_scale"])
+    _check_range(where, "momentum", group["momentum"], kind)
+    _check_bool(where, "nesterov", group["nesterov"])
+    if group["beta2"] is not None:  # None: NorMuon off
+        _check_range(where, "beta2", group["beta2"], kind)
+    coefficients = group["ns_coefficients"]
+    if not isinstance(coefficients, (tuple, list)) or not all(
+            isinstance(abc, (tuple, list)) and len(abc) == 3 and all(_is_real(v) and math.isfinite(v) for v in abc)
+            for abc in coefficients):
+        raise ValueError(f"{where}ns_coefficients must be a list of finite (a, b, c) triples")
+    ns_steps = group["ns_steps"]
+    _check_range(where, "ns_steps", ns_steps, kind)
+    if ns_steps > len(coefficients):
+        raise ValueError(f"{where}ns_steps={ns_steps} but only {len(coefficients)} coefficient tuples")
+
+
+def check_options(master_weights, grad_attr, max_workspace_bytes) -> None:
+    """The optimizer's constructor arguments."""
+    if master_weights not in ("auto", True, False):
+        raise ValueError(f"master_weights must be 'auto', True or False, got {master_weights!r}")
+    _check_mode("", "grad_attr", grad_attr)
+    _check_range("", "max_workspace_bytes", max_workspace_bytes, "optimizer")
+
+
+def new_group(index: int, param_group: dict) -> Tuple[dict, List[Optional[str]]]:
+    """A copy of `param_group` with its params as a list and its kind's defaults
+    filled in, and the params' names (None where unnamed). Checks the shape of
+    the group only; `check_group` checks its settings and params."""
+    group = dict(param_group)
+    kind = group.get("kind")
+    if kind not in DEFAULTS:
+        raise ValueError(f"param group {index}: unknown kind {kind!r}; expected 'muon' or 'adamw'")
+    if "params" not in group:
+        raise ValueError(f"param group {index} has no 'params'")
+    params = group["params"]
+    if isinstance(params, (set, frozenset)) or params is None:
+        raise TypeError(f"param group {index}: params must be an ordered sequence (a set's order varies "
+                        f"between runs), got {type(params).__name__}")
+    params = [params] if isinstance(params, torch.Tensor) else list(params)
+    names = list(group.get("param_names", [])) or [None] * len(params)
+    if len(names) != len(params):
+        raise ValueError(f"param group {index}: {len(names)} param_names for {len(params)} params")
+    for key, value in DEFAULTS[kind].items():
+        group.setdefault(key, value)
+    group["params"] = params
+    return group, names
+
+
+def check_group(index: int, group: dict, names: List[Optional[str]], owned: Container[int]) -> None:
+    """A new group's settings and params; `owned` holds the ids of params already in the optimizer."""
+    kind = group["kind"]
+    check_hyper(index, group)
+    seen = set()
+    for i, p in enumerate(group["params"]):
+        where = label(index, kind, i, names[i])
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"{where}: expected a tensor, got {type(p).__name__}")
+        if id(p) in owned or id(p) in seen:
+            raise ValueError(f"{where} appears in more than one param group (or twice in one)")
+        seen.add(id(p))
+        _check_param_type(p, where)
+        if not p.is_leaf:
+            raise ValueError(f"{where}: can't optimize a non-leaf tensor")
+        if not p.is_contiguous():
+            raise ValueError(f"{where}: params must be contiguous")
+        if kind == "muon":
+            matrix_shape(p, group["matrix_view"], where)
+
+
+def _check_param_type(p: torch.Tensor, where: str) -> None:
+    if is_dtensor(p):
+        raise TypeError(f"{where} is a DTensor: sharded params are not supported yet (Muon on a local shard "
+                        "would be silently wrong)")
+    if not p.dtype.is_floating_point:
+        raise TypeError(f"{where} has non-floating dtype {p.dtype}")
+    if p.dtype not in SUPPORTED_DTYPES:
+        reason = "FP8 / quantized params are not supported yet" if p.element_size() == 1 else "unsupported dtype"
+        raise TypeError(f"{where} has dtype {p.dtype}: {reason}; supported: float32, bfloat16, float16")
+    base = p.data if isinstance(p, torch.nn.Parameter) else p
+    if type(base) is not torch.Tensor:
+        raise TypeError(f"{where} is a {type(base).__name__}: tensor subclasses (quantized params) are not "
+                        "supported yet")
