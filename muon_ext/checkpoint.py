@@ -4,7 +4,9 @@ Saving stores every master as an FP32 tensor, whatever the master mode, so a
 checkpoint loads into any configuration. Loading validates the whole state dict
 before writing anything, keeps FP32 state FP32 (torch's default load casts
 floating state to the param dtype), rewrites each low-precision param from its
-loaded master, and accepts TransformerEngine-style int16 remainders.
+loaded master, and accepts TransformerEngine-style int16 remainders. Loaded
+masters stay pending until the param's next use, so that the model weights may
+be loaded before or after (docs/design.md, "Checkpoints").
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from typing import Dict, List
 
 import torch
 
-from . import ops
 from ._shapes import second_moment_shape
 from ._types import ParamInfo
 from .schema import check_hyper
@@ -28,6 +29,7 @@ _FP32_STATE = ("exp_avg", "exp_avg_sq", "momentum_buffer", "second_momentum_buff
 
 def state_dict(groups: List[dict], states: OptimizerState) -> dict:
     """torch's layout (params by index), with every master as a new FP32 tensor."""
+    states.resolve_pending()  # a pending master may still rewrite its param (FP32 params included)
     index = {}
     packed_groups = []
     for group in groups:
@@ -161,9 +163,9 @@ def _load_entry(states: OptimizerState, info: ParamInfo, entry: Dict, group: Dic
         # No saved master: the param is the master, whether the model weights
         # are loaded before or after this call; read it at the next use.
         states.defer_master_read(info)
-        return
-    if master is None:
-        master = p.detach().float()  # a zero remainder: the param, whenever it is loaded, is the master
+    elif master is None:
+        states.write_master(info, p.detach().float())  # a zero remainder: the param, whenever loaded, is the master
     elif master.dtype == torch.int16:
-        master = ops.merge_master(p.detach(), master.to(p.device).contiguous())
-    states.write_master(info, master.to(device=p.device, dtype=torch.float32).contiguous())
+        states.load_remainder(info, master.to(p.device).contiguous())
+    else:
+        states.load_master(info, master.to(device=p.device, dtype=torch.float32).contiguous())

@@ -12,7 +12,7 @@ from ._shapes import second_moment_shape
 from ._types import MasterMode, ParamInfo, is_dtensor
 from .schema import label
 
-__all__ = ["master_mode", "check_master_values", "OptimizerState"]
+__all__ = ["master_mode", "check_master_values", "is_rounding_of", "OptimizerState"]
 
 
 def master_mode(p: torch.Tensor, master_weights, store_param_remainders: bool) -> MasterMode:
@@ -46,9 +46,14 @@ class OptimizerState:
     """The params an optimizer owns (a ParamInfo each) and their state in
     `tensors`, the optimizer's `state` mapping (param -> dict of tensors).
 
-    Masters may be pending: an FP32 master to be re-read from its param before
-    its next use (after loading a checkpoint without masters, so that model
-    weights loaded later still become the masters).
+    Masters may be pending after a checkpoint load, settled at their next use
+    (a step, `read_master`, a state dict) so that model weights loaded after
+    the optimizer state still count (docs/design.md, "Checkpoints"):
+      * "param": no saved master; the param, as then loaded, is the master.
+      * "loaded": a saved FP32 master; it stays the master where the param is
+        then still a rounding of it, and the param is rewritten from it.
+      * "remainder": saved int16 remainders; the master is merged from the
+        param as then loaded.
     """
 
     def __init__(self, tensors: Dict, master_weights, store_param_remainders: bool):
@@ -56,7 +61,13 @@ class OptimizerState:
         self.master_weights = master_weights
         self.store_param_remainders = store_param_remainders
         self.infos: Dict[int, ParamInfo] = {}  # by id(param)
-        self._pending: set = set()  # ids of params whose FP32 master is read from the param at next use
+        # id(param) -> (kind, tensor or None), kinds as in the class docstring.
+        # The tensor is what settling needs and the live state does not hold:
+        # "loaded": the BF16 param as written (remainder mode; with the
+        # remainder it is the master) or the master itself (no separate
+        # master); None in FP32-master mode, whose master tensor holds it.
+        # "remainder": the saved remainders (modes without int16 state).
+        self._pending: Dict[int, Tuple[str, Optional[torch.Tensor]]] = {}
 
     # -- the params -------------------------------------------------------
 
@@ -115,7 +126,7 @@ class OptimizerState:
                 self.tensors[p]["master_param"].copy_(master)
             p.data.copy_(master)  # copy_ rounds to nearest even for 16-bit params
         torch.autograd.graph.increment_version(p)
-        self._pending.discard(id(p))
+        self._pending.pop(id(p), None)
 
     def read_master(self, info: ParamInfo) -> torch.Tensor:
         """A new FP32 tensor holding the param's full master."""
@@ -127,21 +138,128 @@ class OptimizerState:
             return self.tensors[p]["master_param"].detach().clone()
         return p.detach().float().clone()
 
+    def load_master(self, info: ParamInfo, master: torch.Tensor) -> None:
+        """Writes a master loaded from a checkpoint (FP32, contiguous, on the
+        param's device) and keeps it pending, so that model weights loaded
+        afterwards do not replace it as long as they are a rounding of it."""
+        self.write_master(info, master)
+        p = info.param
+        if info.master == "remainder":
+            kept = p.detach().clone()  # with the remainder, the master; model weights may overwrite the param
+        elif info.master == "fp32":
+            kept = None  # the master tensor holds it
+        else:
+            kept = master.clone()  # the param is the master: model weights overwrite it
+        self._pending[id(p)] = ("loaded", kept)
+
+    def load_remainder(self, info: ParamInfo, remainder: torch.Tensor) -> None:
+        """Takes int16 remainders from a checkpoint (TransformerEngine style,
+        on the param's device): the master is the BF16 param, as the model
+        weights leave it, merged with them."""
+        p = info.param
+        if info.master == "remainder":
+            # The pair (param, remainder) is the master whenever it is read.
+            self.tensors[p]["master_param"].copy_(remainder)
+            self._pending.pop(id(p), None)
+        else:
+            self._pending[id(p)] = ("remainder", remainder.clone())
+
     def defer_master_read(self, info: ParamInfo) -> None:
         """Marks the param's FP32 master to be re-read from the param at its next use."""
-        self._pending.add(id(info.param))
+        self._pending[id(info.param)] = ("param", None)
 
     def resolve_pending(self) -> None:
-        """Re-reads every pending FP32 master from its param."""
-        for key in self._pending:
-            p = self.infos[key].param
-            self.tensors[p]["master_param"].copy_(p.detach())
-        self._pending.clear()
+        """Settles every pending master against its param as it is now
+        (docs/design.md, "Checkpoints"). A param whose storage does not hold
+        its elements (released) stays pending: reading it would be out of bounds."""
+        if not self._pending:
+            return
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            # Settling inside a graph would replay at every step, against stale loaded values.
+            raise RuntimeError("masters loaded by load_state_dict are settled at their next use, which cannot be "
+                               "captured in a CUDA graph: step once (or call get_full_parameter_master) before "
+                               "capturing")
+        for key in [k for k in self._pending if _storage_holds(self.infos[k].param)]:
+            kind, kept = self._pending[key]
+            info = self.infos[key]
+            p = info.param
+            if kind == "param":
+                self.tensors[p]["master_param"].copy_(p.detach())
+                del self._pending[key]
+            elif kind == "remainder":
+                self.write_master(info, ops.merge_master(p.detach(), kept))
+            else:
+                self._settle_loaded(info, kept)
 
-    def pending_positions(self) -> List[Tuple[int, int]]:
-        """(group, index) of each param with a pending master, for pickling."""
-        return [(info.group, info.index) for info in self.infos.values() if id(info.param) in self._pending]
+    def _settle_loaded(self, info: ParamInfo, kept: Optional[torch.Tensor]) -> None:
+        """The loaded master stays where the param is still what the load wrote
+        or a rounding of the master; elsewhere the param's value becomes the
+        master. The param is then rewritten from the master as the load did, so
+        both load orders leave the same bits."""
+        p = info.param.detach()
+        if info.master == "remainder":
+            master, written = ops.merge_master(kept, self.tensors[info.param]["master_param"]), kept
+        else:
+            master = self.tensors[info.param]["master_param"] if info.master == "fp32" else kept
+            written = master.to(p.dtype)
+        same = _same_bits(p, written)
+        if bool(same.all()):  # as the load left it (the usual resume): one host sync, once, spares the full test
+            del self._pending[id(info.param)]
+            return
+        keep = is_rounding_of(p, master) | same
+        self.write_master(info, torch.where(keep, master, p.float()))
 
-    def restore_pending(self, positions: Iterable[Tuple[int, int]], groups: List[dict]) -> None:
-        """Marks the params at `positions` (from `pending_positions`) pending again."""
-        self._pending = {id(groups[g]["params"][i]) for g, i in positions}
+    def pending_positions(self) -> List[Tuple[int, int, str, Optional[torch.Tensor]]]:
+        """(group, index, kind, kept tensor) of each param with a pending master, for pickling."""
+        return [(info.group, info.index) + self._pending[key] for key, info in self.infos.items()
+                if key in self._pending]
+
+    def restore_pending(self, positions: Iterable[tuple], groups: List[dict]) -> None:
+        """Marks the params at `positions` (from `pending_positions`) pending
+        again; (group, index) pairs, pickled before masters were kept, are re-reads."""
+        self._pending = {}
+        for position in positions:
+            g, i = position[:2]
+            self._pending[id(groups[g]["params"][i])] = tuple(position[2:]) if len(position) > 2 else ("param", None)
+
+
+def is_rounding_of(values: torch.Tensor, master: torch.Tensor) -> torch.Tensor:
+    """Where `values` (any float dtype) is a rounding of the FP32 `master`:
+    either neighbour of the master in BF16, FP16 or `values`' dtype, converted
+    to `values`' dtype to nearest even (as `model.load_state_dict` converts
+    weights saved in another dtype), or NaN where the master is NaN.
+
+    The neighbours cover every rounding that produces model weights: nearest
+    even into any of these dtypes, the remainder split's round half up (BF16),
+    and double roundings such as FP32 -> FP16 -> BF16. Elementwise on the
+    values' device, no host sync."""
+    dtype = values.dtype
+    ok = torch.isnan(values) & torch.isnan(master)
+    if dtype == torch.float32:
+        ok |= values == master
+    for fmt in {dtype, torch.bfloat16, torch.float16} - {torch.float32}:
+        near = master.to(fmt)
+        below = near.float() < master
+        far = torch.nextafter(near, torch.where(below, torch.inf, -torch.inf).to(fmt))
+        far = torch.where(near.float() == master, near, far)  # exact in fmt: one neighbour
+        ok |= (values == near.to(dtype)) | (values == far.to(dtype))
+    return ok
+
+
+_INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise bit equality of two tensors of one float dtype (NaN payloads included)."""
+    if a.dtype != b.dtype:
+        return torch.zeros(a.shape, dtype=torch.bool, device=a.device)
+    kind = _INT_OF_SIZE[a.element_size()]
+    return a.contiguous().view(kind) == b.contiguous().view(kind)
+
+
+def _storage_holds(t: torch.Tensor) -> bool:
+    """Whether `t`'s storage holds every element its view addresses."""
+    if t.numel() == 0:
+        return True
+    extent = t.storage_offset() + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1
+    return t.untyped_storage().nbytes() >= extent * t.element_size()

@@ -17,6 +17,8 @@ MODES = {
     "bf16_fp32_master": (torch.bfloat16, dict(store_param_remainders=False)),
     "fp32": (torch.float32, dict()),
     "bf16_direct": (torch.bfloat16, dict(master_weights=False)),
+    "fp16_fp32_master": (torch.float16, dict()),
+    "fp16_direct": (torch.float16, dict(master_weights=False)),
 }
 ADAMW_KEYS = {"step", "exp_avg", "exp_avg_sq"}
 MUON_KEYS = {"momentum_buffer", "second_momentum_buffer"}
@@ -79,7 +81,7 @@ def test_state_dict_holds_fp32_masters_and_nothing_transient(mode):
     model, opt = _build(mode)
     _train(model, opt, range(2))
     sd = opt.state_dict()
-    with_master = mode in ("bf16_remainder", "bf16_fp32_master")
+    with_master = mode in ("bf16_remainder", "bf16_fp32_master", "fp16_fp32_master")
     index = 0
     for group, saved_group in zip(opt.param_groups, sd["param_groups"]):
         assert set(saved_group) == set(group)
