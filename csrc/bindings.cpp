@@ -1,11 +1,15 @@
 // The pybind11 module muon_ext._C: what is not an op (the kernels are
 // torch.library ops, csrc/ops.cpp): build facts, the schema table, and the
-// optimizer's one-call grad check of a bucket.
+// optimizer's one-call check of a bucket.
 #include <ATen/record_function.h>
 #include <torch/extension.h>
 
+#include <c10/util/SmallVector.h>
+
+#include <algorithm>
+#include <optional>
 #include <string>
-#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "checks.h"
@@ -29,32 +33,278 @@ std::vector<std::string> cpu_capabilities() {
   return out;
 }
 
-// The optimizer's per-step check of a bucket, in one call: (index of the first
-// param that must not be stepped, or -1; whether every grad is present,
-// contiguous and of one dtype). A param must not be stepped when its grad has
-// another shape, device or layout or an unsupported dtype, or when the param
-// itself is no longer contiguous; the caller then raises, naming it.
-std::tuple<int64_t, bool> check_bucket_grads(const std::vector<at::Tensor>& params,
-                                             const std::vector<c10::optional<at::Tensor>>& grads) {
-  TORCH_CHECK_VALUE(params.size() == grads.size(), "check_bucket_grads: ", params.size(), " params but ",
-                    grads.size(), " grads");
+// ---------------------------------------------------------------------------
+// The optimizer's checks of its params and their state, one call per bucket
+// (docs/design.md, "Data flow of one step"): metadata only, nothing is read
+// or written.  They find the first param the kernels would refuse, or that
+// they would read or write out of bounds, so that the optimizer raises,
+// naming it, before the first kernel of a step runs.  Python words the
+// message (muon_ext/buckets.py); this side only finds the param, fast.
+// ---------------------------------------------------------------------------
+
+// How a state entry's shape follows from its param's.
+enum class StateShape : int64_t { kParam = 0, kScalar = 1, kSecondMoment = 2 };
+
+// One state entry the kernels take: its key, the dtype it must have (none:
+// the entry must be absent), its shape, and whether a missing entry is a
+// problem (the caller creates missing ones where it is not).
+struct StateRule {
+  py::object key;
+  std::optional<at::ScalarType> dtype;
+  StateShape shape = StateShape::kParam;
+  bool required = true;
+};
+
+enum class MatrixView { kNone, kError, kFlatten, kBatch };
+
+MatrixView parse_view(int64_t rows, const std::string& view) {
+  if (rows <= 0) return MatrixView::kNone;
+  if (view == "flatten") return MatrixView::kFlatten;
+  if (view == "batch") return MatrixView::kBatch;
+  return MatrixView::kError;
+}
+
+// (rows, cols) of a Muon param's matrices under its group's matrix_view, as
+// muon_ext/_shapes.py defines them; (0, 0) where it is not matrices.
+std::pair<int64_t, int64_t> matrix_shape(const at::Tensor& p, MatrixView view) {
+  const int64_t dim = p.dim();
+  if (dim == 2) return {p.size(0), p.size(1)};
+  if (dim < 2) return {0, 0};
+  if (view == MatrixView::kFlatten) {
+    int64_t cols = 1;
+    for (int64_t d = 1; d < dim; ++d) cols *= p.size(d);
+    return {p.size(0), cols};
+  }
+  if (view == MatrixView::kBatch) return {p.size(-2), p.size(-1)};
+  return {0, 0};
+}
+
+// NorMuon's statistics shape for a param (muon_ext/_shapes.py, second_moment_shape).
+c10::SmallVector<int64_t, 6> second_moment_shape(const at::Tensor& p, MatrixView view, int64_t rows, int64_t cols) {
+  c10::SmallVector<int64_t, 6> shape;
+  if (p.dim() > 2 && view == MatrixView::kBatch) shape.append(p.sizes().begin(), p.sizes().end() - 2);
+  shape.push_back(rows >= cols ? rows : 1);
+  shape.push_back(rows >= cols ? 1 : cols);
+  return shape;
+}
+
+// The first problem found: index of the param, what is wrong (a code that
+// muon_ext/buckets.py turns into words), the state key concerned, and the
+// index of the other param for "state_shared".
+struct Problem {
+  int64_t index = -1;
+  const char* what = "";
+  std::string key;
+  int64_t other = -1;
+};
+
+// The state dict of a param in the optimizer's state mapping (new reference),
+// or null where there is none.  A dict (torch's defaultdict) is not asked for
+// a missing entry, which would create one: checking writes nothing.
+py::object state_of(PyObject* mapping, PyObject* param) {
+  if (PyDict_Check(mapping)) {
+    PyObject* entry = PyDict_GetItemWithError(mapping, param);
+    if (entry == nullptr && PyErr_Occurred()) throw py::error_already_set();
+    return entry == nullptr ? py::object() : py::reinterpret_borrow<py::object>(entry);
+  }
+  PyObject* entry = PyObject_GetItem(mapping, param);
+  if (entry == nullptr) {
+    if (!PyErr_ExceptionMatches(PyExc_KeyError)) throw py::error_already_set();
+    PyErr_Clear();
+    return py::object();
+  }
+  return py::reinterpret_steal<py::object>(entry);
+}
+
+// Checks param i's state entries under `rules`, storing each at i in its list
+// (None where missing, marking the list `incomplete`); returns the problem's
+// code, or null.
+const char* check_state(const at::Tensor& p, Py_ssize_t i, PyObject* dict, const std::vector<StateRule>& rules,
+                        MatrixView view, int64_t rows, int64_t cols, std::vector<py::list>& lists,
+                        std::vector<char>& incomplete, const StateRule** bad) {
+  for (size_t r = 0; r < rules.size(); ++r) {
+    const StateRule& rule = rules[r];
+    *bad = &rule;
+    PyObject* value = dict == nullptr ? nullptr : PyDict_GetItemWithError(dict, rule.key.ptr());
+    if (value == nullptr && PyErr_Occurred()) throw py::error_already_set();
+    if (!rule.dtype.has_value()) {
+      if (value != nullptr) return "state_unexpected";
+      continue;
+    }
+    if (value == nullptr) {
+      if (rule.required) return "state_missing";
+      PyList_SET_ITEM(lists[r].ptr(), i, Py_NewRef(Py_None));
+      incomplete[r] = 1;
+      continue;
+    }
+    if (!THPVariable_Check(value)) return "state_type";
+    const at::Tensor& t = THPVariable_Unpack(value);
+    if (t.layout() != at::kStrided) return "state_layout";
+    if (t.scalar_type() != *rule.dtype) return "state_dtype";
+    if (t.device() != p.device()) return "state_device";
+    const bool shape_ok = rule.shape == StateShape::kScalar  ? t.numel() == 1
+                          : rule.shape == StateShape::kParam ? t.sizes() == p.sizes()
+                                                             : t.sizes() == c10::IntArrayRef(second_moment_shape(
+                                                                                p, view, rows, cols));
+    if (!shape_ok) return "state_shape";
+    if (!t.is_contiguous()) return "state_contiguous";
+    if (!checks::storage_holds(t)) return "state_storage";
+    PyList_SET_ITEM(lists[r].ptr(), i, Py_NewRef(value));
+  }
+  return nullptr;
+}
+
+// The optimizer's check of one bucket: params of one dtype and device (and,
+// for Muon, one matrix shape `rows` x `cols` under `matrix_view`; rows = 0
+// for AdamW), their state in the mapping `state` under `rules` ((key, dtype or
+// None, StateShape, required) tuples), and, when `grad_attr` is a name, their
+// grads.  Params are recorded in `ranges` (when given) as (`bucket`, index),
+// for the caller's overlap check across buckets.
+//
+// Returns (index of the first bad param or -1, problem code, state key, other
+// index, whether every grad is present, contiguous and of one dtype, the grads,
+// {key: the state entries, or None where one is missing}).  The lists let the
+// caller hand the kernels what was checked without looking it up again.
+py::tuple check_bucket(const py::list& params, const py::object& grad_attr, const py::object& state,
+                       at::ScalarType dtype, at::Device device, const py::tuple& rules_in, int64_t rows,
+                       int64_t cols, const std::string& matrix_view, checks::MemoryRanges* ranges, int64_t bucket) {
+  std::vector<StateRule> rules;
+  for (const py::handle item : rules_in) {
+    const py::tuple t = item.cast<py::tuple>();
+    StateRule rule;
+    rule.key = py::reinterpret_borrow<py::object>(t[0]);
+    if (!t[1].is_none()) rule.dtype = t[1].cast<at::ScalarType>();
+    rule.shape = static_cast<StateShape>(t[2].cast<int64_t>());
+    rule.required = t[3].cast<bool>();
+    rules.push_back(std::move(rule));
+  }
+  const MatrixView view = parse_view(rows, matrix_view);
+  const bool with_grads = !grad_attr.is_none();
+  const Py_ssize_t n = PyList_GET_SIZE(params.ptr());
+  py::list grads(with_grads ? n : 0);
+  std::vector<py::list> lists;
+  for (size_t r = 0; r < rules.size(); ++r) lists.emplace_back(rules[r].dtype.has_value() ? n : 0);
+  std::vector<char> incomplete(rules.size(), 0);
+  std::vector<std::pair<const void*, int64_t>> counters;  // step counters by address, to find one used twice
+  counters.reserve(n);
   bool uniform = true;
-  for (size_t i = 0; i < params.size(); ++i) {
-    const at::Tensor& p = params[i];
-    if (!p.is_contiguous()) return {int64_t(i), false};
-    if (!grads[i].has_value() || !grads[i]->defined()) {
+  std::optional<at::ScalarType> grad_dtype;
+  Problem problem;
+  const auto fail = [&](Py_ssize_t i, const char* what, const StateRule* rule = nullptr, int64_t other = -1) {
+    problem = {static_cast<int64_t>(i), what, rule ? py::str(rule->key).cast<std::string>() : "", other};
+  };
+
+  for (Py_ssize_t i = 0; i < n && problem.index < 0; ++i) {
+    PyObject* param = PyList_GET_ITEM(params.ptr(), i);
+    if (!THPVariable_Check(param)) {
+      fail(i, "param_type");
+      break;
+    }
+    const at::Tensor& p = THPVariable_Unpack(param);
+    const char* bad = nullptr;
+    if (p.layout() != at::kStrided) {
+      bad = "param_layout";
+    } else if (p.scalar_type() != dtype) {
+      bad = "param_dtype";
+    } else if (p.device() != device) {
+      bad = "param_device";
+    } else if (!p.is_contiguous()) {
+      bad = "param_contiguous";
+    } else if (view != MatrixView::kNone && matrix_shape(p, view) != std::make_pair(rows, cols)) {
+      bad = "param_shape";
+    } else if (!checks::storage_holds(p)) {
+      bad = "param_storage";
+    }
+    if (bad != nullptr) {
+      fail(i, bad);
+      break;
+    }
+    if (ranges != nullptr) ranges->add(p, bucket, i);
+
+    const py::object entry = state_of(state.ptr(), param);
+    if (entry && !PyDict_Check(entry.ptr())) {
+      fail(i, "state_type");
+      break;
+    }
+    const StateRule* rule = nullptr;
+    if (const char* what =
+            check_state(p, i, entry ? entry.ptr() : nullptr, rules, view, rows, cols, lists, incomplete, &rule)) {
+      fail(i, what, rule);
+      break;
+    }
+    for (size_t r = 0; r < rules.size(); ++r) {
+      if (rules[r].shape != StateShape::kScalar || !rules[r].dtype.has_value()) continue;
+      PyObject* counter = PyList_GET_ITEM(lists[r].ptr(), i);
+      if (counter != Py_None && !THPVariable_Unpack(counter).is_meta()) {
+        counters.emplace_back(THPVariable_Unpack(counter).const_data_ptr(), i);
+      }
+    }
+    if (!with_grads) continue;
+
+    PyObject* grad = PyObject_GetAttr(param, grad_attr.ptr());
+    if (grad == nullptr) {
+      if (!PyErr_ExceptionMatches(PyExc_AttributeError)) throw py::error_already_set();
+      PyErr_Clear();
+      grad = Py_NewRef(Py_None);
+    }
+    PyList_SET_ITEM(grads.ptr(), i, grad);  // steals the reference
+    if (grad == Py_None) {
       uniform = false;
       continue;
     }
-    const at::Tensor& g = *grads[i];
-    const at::ScalarType dtype = g.scalar_type();
-    if (g.layout() != at::kStrided || !checks::is_supported_float(dtype) || g.sizes() != p.sizes() ||
-        g.device() != p.device()) {
-      return {int64_t(i), false};
+    if (!THPVariable_Check(grad)) {
+      fail(i, "grad_type");
+      break;
     }
-    uniform = uniform && g.is_contiguous() && (i == 0 || dtype == grads[0]->scalar_type());
+    const at::Tensor& g = THPVariable_Unpack(grad);
+    if (g.layout() != at::kStrided) {
+      bad = "grad_layout";
+    } else if (!checks::is_supported_float(g.scalar_type())) {
+      bad = "grad_dtype";
+    } else if (g.sizes() != p.sizes()) {
+      bad = "grad_shape";
+    } else if (g.device() != p.device()) {
+      bad = "grad_device";
+    } else if (!checks::storage_holds(g)) {
+      bad = "grad_storage";
+    }
+    if (bad != nullptr) {
+      fail(i, bad);
+      break;
+    }
+    if (!grad_dtype.has_value()) grad_dtype = g.scalar_type();
+    uniform = uniform && g.is_contiguous() && g.scalar_type() == *grad_dtype;
   }
-  return {-1, uniform};
+  if (problem.index < 0 && !counters.empty()) {
+    // A counter shared by two params would be stepped twice (the kernels refuse it).
+    std::sort(counters.begin(), counters.end());
+    for (size_t k = 1; k < counters.size(); ++k) {
+      if (counters[k].first != counters[k - 1].first) continue;
+      const StateRule* rule = nullptr;
+      for (const StateRule& r : rules) {
+        if (r.shape == StateShape::kScalar && r.dtype.has_value()) rule = &r;
+      }
+      fail(counters[k].second, "state_shared", rule, counters[k - 1].second);
+      break;
+    }
+  }
+  if (problem.index >= 0) {
+    return py::make_tuple(problem.index, problem.what, problem.key, problem.other, false, py::none(), py::none());
+  }
+  py::dict entries;
+  for (size_t r = 0; r < rules.size(); ++r) {
+    if (rules[r].dtype.has_value()) entries[rules[r].key] = incomplete[r] ? py::object(py::none()) : lists[r];
+  }
+  return py::make_tuple(-1, "", "", -1, uniform, with_grads ? py::object(grads) : py::object(py::none()),
+                        entries);
+}
+
+// The first two overlapping params recorded by check_bucket, as
+// ((bucket, index), (bucket, index)), the second recorded later; or None.
+py::object first_overlap(checks::MemoryRanges& ranges) {
+  std::pair<int64_t, int64_t> a, b;
+  if (!ranges.first_overlap(&a, &b)) return py::none();
+  return py::make_tuple(py::make_tuple(a.first, a.second), py::make_tuple(b.first, b.second));
 }
 
 // The table of csrc/common/schema.h: {"ranges": [(kind, name, low, high,
@@ -121,7 +371,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("polar_express_coefficients", &muon_ext::polar_express_coefficients,
         "The default Polar-Express (a, b, c) tuples, one per iteration.");
   m.def("schema", &muon_ext::schema_table, "The hyper-parameter ranges and mode names (csrc/common/schema.h).");
-  m.def("check_bucket_grads", &muon_ext::check_bucket_grads, py::arg("params"), py::arg("grads"));
+  py::class_<muon_ext::checks::MemoryRanges>(m, "MemoryRanges",
+                                             "Byte ranges of the params checked in one step (check_bucket).")
+      .def(py::init<>())
+      .def("first_overlap", &muon_ext::first_overlap);
+  m.def("check_bucket", &muon_ext::check_bucket, py::arg("params"), py::arg("grad_attr"), py::arg("state"),
+        py::kw_only(), py::arg("dtype"), py::arg("device"), py::arg("rules"), py::arg("rows"), py::arg("cols"),
+        py::arg("matrix_view"), py::arg("ranges"), py::arg("bucket"),
+        "The optimizer's metadata check of one bucket; see csrc/bindings.cpp.");
+  m.def("storage_problem", &muon_ext::checks::storage_problem, py::arg("tensor"),
+        "What is wrong with a tensor's storage for its view, or '' when it holds every element.");
   m.def("cpu_capabilities", &muon_ext::cpu_capabilities, "Instruction sets of the CPU kernels usable here, best last.");
 #if defined(MUON_EXT_WITH_CUDA)
   m.attr("with_cuda") = true;

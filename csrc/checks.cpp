@@ -2,11 +2,13 @@
 
 #include "common/schema.h"
 
+#include <c10/core/TensorImpl.h>
 #include <c10/util/Exception.h>
+#include <c10/util/safe_numerics.h>
 
-#include <sstream>
-
+#include <algorithm>
 #include <cmath>
+#include <sstream>
 #include <unordered_set>
 
 namespace muon_ext {
@@ -15,6 +17,105 @@ namespace checks {
 bool is_supported_float(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
 
 std::string where(const char* list, size_t index) { return std::string(list) + "[" + std::to_string(index) + "]"; }
+
+namespace {
+
+// The bytes of its storage that t's view reaches: up to and including its
+// last element.  False where that cannot be computed (a negative stride, or
+// more than 2^64 bytes): such a view is refused too.
+bool bytes_needed(const at::Tensor& t, uint64_t* needed) {
+  *needed = 0;
+  if (t.numel() == 0) return true;
+  uint64_t last = static_cast<uint64_t>(t.storage_offset());
+  const c10::IntArrayRef sizes = t.sizes(), strides = t.strides();
+  for (size_t d = 0; d < sizes.size(); ++d) {
+    if (strides[d] < 0) return false;
+    uint64_t span = 0;
+    if (c10::mul_overflows(static_cast<uint64_t>(sizes[d] - 1), static_cast<uint64_t>(strides[d]), &span) ||
+        c10::add_overflows(last, span, &last)) {
+      return false;
+    }
+  }
+  return !c10::add_overflows(last, uint64_t{1}, &last) &&
+         !c10::mul_overflows(last, static_cast<uint64_t>(t.itemsize()), needed);
+}
+
+// The storage's size in bytes, or false where it has none to read (no
+// storage, or a symbolic size while tracing).
+bool storage_bytes(const at::Tensor& t, uint64_t* bytes, bool* has_data) {
+  if (!t.defined() || t.is_meta()) return false;
+  const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  if (!impl->has_storage()) return false;
+  const c10::Storage& storage = impl->unsafe_storage();
+  if (!storage) return false;
+  const std::optional<int64_t> nbytes = storage.sym_nbytes().maybe_as_int();
+  if (!nbytes.has_value()) return false;
+  *bytes = static_cast<uint64_t>(*nbytes);
+  *has_data = storage.data() != nullptr;
+  return true;
+}
+
+}  // namespace
+
+bool storage_holds(const at::Tensor& t) {
+  uint64_t held = 0;
+  bool has_data = false;
+  if (!storage_bytes(t, &held, &has_data)) return true;
+  uint64_t needed = 0;
+  if (!bytes_needed(t, &needed)) return false;
+  return needed == 0 || (has_data && held >= needed);
+}
+
+std::string storage_problem(const at::Tensor& t) {
+  if (storage_holds(t)) return "";
+  uint64_t held = 0, needed = 0;
+  bool has_data = false;
+  storage_bytes(t, &held, &has_data);
+  std::ostringstream out;
+  out << "its storage holds " << (has_data ? held : 0) << " bytes but its view (storage offset "
+      << t.storage_offset() << ", shape " << t.sizes() << ", strides " << t.strides() << ", " << t.scalar_type()
+      << ") needs ";
+  if (bytes_needed(t, &needed)) {
+    out << needed;
+  } else {
+    out << "more than can be addressed";
+  }
+  out << " (was the storage released, e.g. with untyped_storage().resize_(0), or shrunk under this view?)";
+  return out.str();
+}
+
+void storage(const char* op, const at::Tensor& t, const std::string& name) {
+  if (C10_LIKELY(storage_holds(t))) return;
+  TORCH_CHECK_VALUE(false, op, ": ", name, ": ", storage_problem(t));
+}
+
+void MemoryRanges::add(const at::Tensor& t, int64_t group, int64_t index) {
+  uint64_t needed = 0;
+  if (t.is_meta() || !bytes_needed(t, &needed) || needed == 0) return;
+  // The view spans from its first element to its last: `needed` counts from
+  // the storage's start, the data pointer includes the storage offset.
+  const uint64_t offset_bytes = static_cast<uint64_t>(t.storage_offset()) * static_cast<uint64_t>(t.itemsize());
+  const uintptr_t begin = reinterpret_cast<uintptr_t>(t.const_data_ptr());
+  const uintptr_t end = begin + static_cast<uintptr_t>(needed - offset_bytes);
+  ranges_.push_back({begin, end, group, index, static_cast<int64_t>(ranges_.size())});
+}
+
+bool MemoryRanges::first_overlap(std::pair<int64_t, int64_t>* a, std::pair<int64_t, int64_t>* b) {
+  const auto by_start = [](const Range& x, const Range& y) { return x.start < y.start; };
+  if (!std::is_sorted(ranges_.begin(), ranges_.end(), by_start)) std::sort(ranges_.begin(), ranges_.end(), by_start);
+  const Range* reach = nullptr;  // the range reaching furthest so far
+  for (const Range& r : ranges_) {
+    if (reach != nullptr && r.start < reach->end) {
+      const Range* first = reach->order < r.order ? reach : &r;
+      const Range* second = reach->order < r.order ? &r : reach;
+      *a = {first->group, first->index};
+      *b = {second->group, second->index};
+      return true;
+    }
+    if (reach == nullptr || r.end > reach->end) reach = &r;
+  }
+  return false;
+}
 
 void same_lengths(const char* op, size_t n, const std::vector<std::pair<const char*, size_t>>& lengths,
                   const char* base) {
@@ -45,9 +146,7 @@ at::Device params(const char* op, const TensorList& params, const char* name) {
   const at::ScalarType dtype = params[0].scalar_type();
   TORCH_CHECK_TYPE(is_supported_float(dtype), op, ": ", name, "[0] has dtype ", dtype,
                    "; supported: float32, bfloat16, float16");
-  // Meta tensors have no storage to share (fake tensors checked at trace time).
-  const bool check_overlap = !device.is_meta();
-  std::unordered_set<const void*> storages;
+  MemoryRanges ranges;
   for (size_t i = 0; i < params.size(); ++i) {
     const at::Tensor& p = params[i];
     TORCH_CHECK_VALUE(p.defined(), op, ": ", where(name, i), " is undefined");
@@ -56,8 +155,14 @@ at::Device params(const char* op, const TensorList& params, const char* name) {
     TORCH_CHECK_VALUE(p.device() == device, op, ": ", where(name, i), " is on ", p.device(), " but ", name,
                       "[0] is on ", device);
     TORCH_CHECK_VALUE(p.is_contiguous(), op, ": ", where(name, i), " must be contiguous");
-    TORCH_CHECK_VALUE(!check_overlap || p.numel() == 0 || storages.insert(p.data_ptr()).second, op, ": ",
-                      where(name, i), " shares its storage with an earlier ", name == std::string("params") ? "param" : "entry");
+    if (!storage_holds(p)) storage(op, p, where(name, i));  // the name is built only for the message
+    ranges.add(p, 0, static_cast<int64_t>(i));
+  }
+  std::pair<int64_t, int64_t> first, second;
+  if (ranges.first_overlap(&first, &second)) {
+    const auto [low, high] = std::minmax(first.second, second.second);
+    TORCH_CHECK_VALUE(false, op, ": ", where(name, high), " shares its storage with ", where(name, low),
+                      " (their memory overlaps)");
   }
   return device;
 }
@@ -71,6 +176,7 @@ void companion(const char* op, const at::Tensor& t, const at::Tensor& like, cons
                     "] is on ", like.device());
   TORCH_CHECK_VALUE(t.sizes() == sizes, op, ": ", name, " has shape ", t.sizes(), ", expected ", sizes);
   TORCH_CHECK_VALUE(t.is_contiguous(), op, ": ", name, " must be contiguous");
+  storage(op, t, name);
 }
 
 at::ScalarType float_list_dtype(const char* op, const TensorList& list, const char* name) {
@@ -105,6 +211,7 @@ void scalar_tensor(const char* op, const c10::optional<at::Tensor>& t, const cha
   TORCH_CHECK_TYPE(t->scalar_type() == at::kFloat, op, ": ", name, " must be float32, got ", t->scalar_type());
   TORCH_CHECK_VALUE(t->numel() == 1, op, ": ", name, " must hold one element, got ", t->numel());
   TORCH_CHECK_VALUE(t->device() == device, op, ": ", name, " is on ", t->device(), " but params are on ", device);
+  if (!storage_holds(*t)) storage(op, *t, name);
 }
 
 void distinct(const char* op, const TensorList& list, const char* name) {

@@ -9,7 +9,9 @@
 #include <c10/util/ArrayRef.h>
 #include <c10/util/Optional.h>
 
+#include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/adamw_math.h"
@@ -33,17 +35,33 @@ void same_lengths(const char* op, size_t n, const std::vector<std::pair<const ch
 // An optional per-param list (masters): empty or one entry per param.
 void optional_list_length(const char* op, const TensorList& list, const char* name, size_t n);
 
+// Whether t's storage holds every element its view reaches (storage offset,
+// sizes and strides; any strides, so a tensor can be checked before its
+// contiguity is).  True where there is nothing to read: no elements, meta
+// (fake) tensors, tensors without a storage.
+bool storage_holds(const at::Tensor& t);
+
+// What is wrong with t's storage for messages ("its storage holds 0 bytes but
+// its view needs 256 ..."), or "" when it holds t.
+std::string storage_problem(const at::Tensor& t);
+
+// Raises (ValueError) unless t's storage holds its elements: a storage
+// released with untyped_storage().resize_(0), or shrunk under a view, would
+// otherwise be read and written out of bounds.
+void storage(const char* op, const at::Tensor& t, const std::string& name);
+
 // A device the kernels run on: CPU, CUDA when built with it, or meta (checked
 // only: fake tensors trace through the ops this way).
 void device(const char* op, const at::Device& device, const char* name);
 
 // The main list of one call (`name`, usually params): defined, one supported
-// float dtype, one device, contiguous, no two sharing storage.  Returns the
-// common device.
+// float dtype, one device, contiguous, storage holding the elements, no two
+// overlapping in memory.  Returns the common device.
 at::Device params(const char* op, const TensorList& params, const char* name = "params");
 
 // A per-element or per-param companion of base[i] (a list named `base`):
-// defined, of dtype `dtype`, on base[i]'s device, of shape `sizes`, contiguous.
+// defined, of dtype `dtype`, on base[i]'s device, of shape `sizes`, contiguous,
+// its storage holding its elements.
 void companion(const char* op, const at::Tensor& t, const at::Tensor& like, const char* list, size_t index,
                at::ScalarType dtype, at::IntArrayRef sizes, const char* base = "params");
 
@@ -57,11 +75,31 @@ at::ScalarType float_list_dtype(const char* op, const TensorList& list, const ch
 // Masters (empty, FP32 or int16 remainders) for params of `param_dtype`.
 MasterKind master_kind(const char* op, const TensorList& masters, at::ScalarType param_dtype);
 
-// An optional one-element FP32 tensor on `device` (lr, inv_scale, found_inf).
+// An optional one-element FP32 tensor on `device` (lr, inv_scale, found_inf),
+// its storage holding the element.
 void scalar_tensor(const char* op, const c10::optional<at::Tensor>& t, const char* name, const at::Device& device);
 
 // Distinct tensors (step counters would be bumped twice otherwise).
 void distinct(const char* op, const TensorList& list, const char* name);
+
+// Byte ranges of tensors, to find two that overlap in memory (two params
+// written by one call, or by one optimizer step).  Entries are tagged with
+// (group, index) for the caller's messages.
+class MemoryRanges {
+ public:
+  // Records t's bytes, unless t has nothing in memory (no elements, meta).
+  // t's storage must hold t (storage_holds).
+  void add(const at::Tensor& t, int64_t group, int64_t index);
+  // The tags (a, b) of two overlapping entries, b the later added, if any.
+  bool first_overlap(std::pair<int64_t, int64_t>* a, std::pair<int64_t, int64_t>* b);
+
+ private:
+  struct Range {
+    uintptr_t start, end;
+    int64_t group, index, order;
+  };
+  std::vector<Range> ranges_;
+};
 
 }  // namespace checks
 }  // namespace muon_ext

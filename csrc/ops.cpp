@@ -505,6 +505,7 @@ void check_remainder_triple(const char* op, const at::Tensor& master, const at::
   for (const auto& [name, t] :
        {std::pair<const char*, const at::Tensor*>{"master", &master}, {"param", &param}, {"remainder", &remainder}}) {
     TORCH_CHECK_VALUE(t->is_contiguous(), op, ": ", name, " must be contiguous (tensors must be contiguous)");
+    checks::storage(op, *t, name);
   }
 }
 

@@ -1,9 +1,16 @@
 """Planning a step: buckets of params stepped together, every check that must
-pass before the first write, and the step's work items. Writes nothing."""
+pass before the first write, and the step's work items. Writes nothing.
+
+The checks are metadata only (no tensor data is read) and cover everything
+the kernels could refuse or read out of bounds, for every bucket, before the
+first kernel runs (docs/design.md, "Data flow of one step"). One C++ call per
+bucket (`_C.check_bucket`) finds the first bad param; only then does Python
+look at it again to say, by name, what is wrong.
+"""
 
 from __future__ import annotations
 
-from typing import Dict, List, Mapping, Optional, Tuple
+from typing import Dict, Iterable, List, Mapping, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -12,42 +19,74 @@ from ._shapes import matrix_shape
 from ._types import Bucket, GradAttr, ParamInfo, WorkItem
 from .amp import capturing, check_step_lr
 from .schema import check_hyper
+from .state import master_mode
 
-__all__ = ["StepPlanner"]
+__all__ = ["StepPlanner", "PlannedItem"]
+
+# How a state entry's shape follows from its param's (csrc/bindings.cpp, StateShape).
+_PARAM_SHAPE, _SCALAR, _SECOND_MOMENT = 0, 1, 2
+_MASTER_DTYPES = {"remainder": torch.int16, "fp32": torch.float32, "none": None}
+
+
+class PlannedItem(NamedTuple):
+    """A work item and the state tensors its kernel call takes, by state key,
+    in the order of item.params (as checked; a list is None where some entry
+    is still to be created)."""
+
+    item: WorkItem
+    state: Dict[str, Optional[List[torch.Tensor]]]
+
+
+class _Spec(NamedTuple):
+    """What a bucket's params were when it was made: the kernels take one
+    dtype, device and (Muon) matrix shape per call."""
+
+    dtype: torch.dtype
+    device: torch.device
+    rows: int  # 0 for AdamW
+    cols: int
 
 
 class StepPlanner:
     """Turns the groups and grads of a step into work items, one kernel call
     each. Buckets are made once and kept until `invalidate` (groups added or
-    loaded); groups edited in place (params, kind, matrix_view) are refused."""
+    loaded); groups edited in place (params, kind, matrix_view) are refused.
 
-    def __init__(self):
+    `master_weights` / `store_param_remainders`: the optimizer's settings,
+    which fixed each param's master mode for the dtype it had then."""
+
+    def __init__(self, master_weights="auto", store_param_remainders: bool = True):
+        self.master_weights = master_weights
+        self.store_param_remainders = store_param_remainders
         self._buckets: Optional[List[Bucket]] = None
+        self._specs: List[_Spec] = []
+        self._empty: List[ParamInfo] = []  # zero-size params, in no bucket
         self._signature: Tuple = ()
 
     def invalidate(self) -> None:
         """Re-bucket at the next plan."""
         self._buckets = None
 
-    def plan(self, groups: List[dict], infos: Mapping[int, ParamInfo], grad_attr: GradAttr,
-             scaler_attached: bool) -> List[WorkItem]:
-        """Checks every group setting and grad, raising before anything is
-        written; returns a work item per bucket and grad dtype (params without
-        a grad left out). Grads are read from each param's `grad_attr`;
-        `scaler_attached`: a GradScaler handed over found_inf."""
+    def plan(self, groups: List[dict], infos: Mapping[int, ParamInfo], tensors: Mapping, grad_attr: GradAttr,
+             scaler_attached: bool) -> List[PlannedItem]:
+        """Checks every group setting, param, state tensor and grad, raising
+        before anything is written; returns a work item per bucket and grad
+        dtype (params without a grad left out), with the state it takes.
+        Grads are read from each param's `grad_attr`, state from `tensors`
+        (param -> dict); `scaler_attached`: a GradScaler handed over found_inf."""
         if torch.compiler.is_compiling():
-            return self._plan_outside_graph(groups, infos, grad_attr, scaler_attached)
-        return self._plan(groups, infos, grad_attr, scaler_attached)
+            return self._plan_outside_graph(groups, infos, tensors, grad_attr, scaler_attached)
+        return self._plan(groups, infos, tensors, grad_attr, scaler_attached)
 
     @torch.compiler.disable
-    def _plan_outside_graph(self, *args) -> List[WorkItem]:
+    def _plan_outside_graph(self, *args) -> List[PlannedItem]:
         """Under torch.compile: host-side checks (and a pybind call Dynamo
         cannot trace) run eagerly behind a graph break. Not used in eager
         steps, where the disable wrapper would only add overhead."""
         return self._plan(*args)
 
-    def _plan(self, groups: List[dict], infos: Mapping[int, ParamInfo], grad_attr: GradAttr,
-              scaler_attached: bool) -> List[WorkItem]:
+    def _plan(self, groups: List[dict], infos: Mapping[int, ParamInfo], tensors: Mapping, grad_attr: GradAttr,
+              scaler_attached: bool) -> List[PlannedItem]:
         if grad_attr == "main_grad" and scaler_attached and all(
                 info.param.grad is None for info in infos.values()):
             raise ValueError("torch.amp.GradScaler looks for infs in .grad, and no param has one (this optimizer "
@@ -55,22 +94,63 @@ class StepPlanner:
         capturing_now = capturing()
         for index, group in enumerate(groups):
             check_hyper(index, group)
+            _check_lr_storage(index, group["lr"])
             check_step_lr(index, group, capturing_now)
-        work = []
-        for bucket in self._get_buckets(groups, infos):
+        buckets = self._get_buckets(groups, infos)
+        for info in self._empty:
+            if info.param.numel() != 0:
+                raise ValueError(f"{info.name} had no elements when the optimizer was built and has shape "
+                                 f"{tuple(info.param.shape)} now; build the optimizer after resizing params")
+        ranges = _C.MemoryRanges()
+        checked = []
+        for b, (bucket, spec) in enumerate(zip(buckets, self._specs)):
             group = groups[bucket.group]
-            grads = [getattr(p, grad_attr, None) for p in bucket.params]
-            if _check_grads(bucket.params, grads, infos, grad_attr):  # the common case: nothing to sort out
-                work.append(WorkItem(bucket, group, bucket.params, grads))
-                continue
-            by_grad_dtype: Dict[torch.dtype, Tuple[List, List]] = {}
-            for p, grad in zip(bucket.params, grads):
-                if grad is not None:
-                    params, contiguous = by_grad_dtype.setdefault(grad.dtype, ([], []))
-                    params.append(p)
-                    contiguous.append(grad if grad.is_contiguous() else grad.contiguous())
-            work.extend(WorkItem(bucket, group, params, contiguous) for params, contiguous in by_grad_dtype.values())
-        return work
+            view = group.get("matrix_view", "")
+            bad, problem, key, other, uniform, grads, state = _C.check_bucket(
+                bucket.params, grad_attr, tensors, dtype=spec.dtype, device=spec.device,
+                rules=_step_rules(bucket, group, infos), rows=spec.rows, cols=spec.cols, matrix_view=view,
+                ranges=ranges, bucket=b)
+            if bad >= 0:
+                other_info = infos[id(bucket.params[other])] if other >= 0 else None
+                self._raise(problem, infos[id(bucket.params[bad])], key, other_info, spec, tensors, grad_attr)
+            checked.append((bucket, group, grads, state, uniform))
+        overlap = ranges.first_overlap()
+        if overlap is not None:
+            (b0, i0), (b1, i1) = overlap
+            first, second = infos[id(buckets[b0].params[i0])], infos[id(buckets[b1].params[i1])]
+            raise ValueError(f"{second.name} shares memory with {first.name}; every param needs storage of its "
+                             "own (to tie weights, put one Parameter in one group)")
+        return [planned for entry in checked for planned in _work_items(*entry)]
+
+    def check_params(self, infos: Iterable[ParamInfo], groups: List[dict], tensors: Mapping, *, all_state: bool,
+                     reading: bool) -> None:
+        """The checks of a step for params read or written outside one:
+        layout, contiguity, storage, and the master (`all_state`: every state
+        entry) where present. Writing (update_param, load_state_dict): the
+        param's dtype must fit its master mode. `reading` (state_dict,
+        get_full_parameter_master): the master must be present, and a dtype
+        that no longer fits the mode is refused only where the master cannot
+        be read (remainders need a bfloat16 param), so a cast model's state can
+        still be saved and loaded into a new optimizer."""
+        for info in infos:
+            p = info.param
+            if not reading or info.master == "remainder":
+                self._check_master_mode(info)
+            group = groups[info.group]
+            rows, cols, view = 0, 0, ""
+            if info.kind == "muon":
+                rows, cols = matrix_shape(p, group["matrix_view"], info.name)
+                view = group["matrix_view"]
+            rules = _master_rule(info, reading) if info.master != "none" else ()
+            if all_state:
+                rules = _moment_rules(info.kind, group, required=False) + rules
+            bad, problem, key, other, _, _, _ = _C.check_bucket(
+                [p], None, tensors, dtype=p.dtype, device=p.device, rules=rules, rows=rows, cols=cols,
+                matrix_view=view, ranges=None, bucket=0)
+            if bad >= 0:
+                self._raise(problem, info, key, None, _Spec(p.dtype, p.device, rows, cols), tensors, "")
+
+    # -- buckets ----------------------------------------------------------
 
     def _get_buckets(self, groups: List[dict], infos: Mapping[int, ParamInfo]) -> List[Bucket]:
         signature = tuple((tuple(id(p) for p in g["params"]), g["kind"], g.get("matrix_view")) for g in groups)
@@ -79,42 +159,167 @@ class StepPlanner:
                              "add_param_group, or build a new optimizer")
         if self._buckets is None:
             buckets: Dict[Tuple, Bucket] = {}
+            empty = []
             for info in infos.values():
                 p, group = info.param, groups[info.group]
+                self._check_master_mode(info)
                 if p.numel() == 0:
-                    continue  # nothing to update; the kernels refuse zero-sized matrices
+                    empty.append(info)  # nothing to update; the kernels refuse zero-sized matrices
+                    continue
                 shape = matrix_shape(p, group["matrix_view"], info.name) if info.kind == "muon" else None
                 key = (info.group, p.device, p.dtype, info.master, shape)
                 buckets.setdefault(key, Bucket(info.group, info.kind, [])).params.append(p)
             self._buckets = list(buckets.values())
+            self._specs = [_Spec(dtype, device, *(shape or (0, 0))) for (_, device, dtype, _, shape) in buckets]
+            self._empty = empty
             self._signature = signature
         return self._buckets
 
+    def _check_master_mode(self, info: ParamInfo) -> None:
+        """A param cast after construction (model.bfloat16()) keeps the master
+        mode of its old dtype: its updates would be lost or refused."""
+        p = info.param
+        if master_mode(p, self.master_weights, self.store_param_remainders) == info.master:
+            return
+        now = f"{info.name} is {p.dtype} but was"
+        if info.master == "none":
+            raise TypeError(
+                f"{now} torch.float32 when the optimizer was built, so it has no FP32 master (the param itself was "
+                f"the master) and updates below {p.dtype}'s precision would be lost. Build the optimizer after "
+                "casting the model (load this optimizer's state_dict() into the new one to keep its moments), or "
+                "cast the param back to torch.float32 (update_param(param, values) then sets exact values)")
+        if info.master == "remainder":
+            raise TypeError(
+                f"{now} torch.bfloat16 when the optimizer was built: its FP32 master is that bfloat16 param plus "
+                "int16 remainders, which need a bfloat16 param. Cast the param back to torch.bfloat16 (the "
+                "remainders then complete it to the exact master again), or build the optimizer after casting the "
+                "model (update_param(param, values) then sets exact values)")
+        was = "torch.float16" if self.store_param_remainders else "torch.bfloat16 or torch.float16"
+        raise TypeError(
+            f"{now} {was} when the optimizer was built, and its separate FP32 master does not fit a "
+            f"{p.dtype} param. Build the optimizer after casting the model (load this optimizer's state_dict() into "
+            "the new one: it keeps the FP32 masters), or cast the param back (update_param(param, values) then sets "
+            "exact values)")
 
-def _check_grads(params: List[torch.Tensor], grads: List, infos: Mapping[int, ParamInfo], attr: str) -> bool:
-    """Raises, naming the param, unless every param can be stepped with its
-    grad (_C.check_bucket_grads); returns whether every grad is present,
-    contiguous and of one dtype."""
-    try:
-        bad, uniform = _C.check_bucket_grads(params, grads)
-    except TypeError:  # the binding refuses a grad that is not a tensor
-        bad = next((i for i, g in enumerate(grads) if g is not None and not isinstance(g, torch.Tensor)), None)
-        if bad is None:
-            raise
-    if bad >= 0:
-        _raise_unsteppable(infos[id(params[bad])].name, params[bad], grads[bad], attr)
-    return uniform
+    # -- messages ---------------------------------------------------------
+
+    def _raise(self, problem: str, info: ParamInfo, key: str, other: Optional[ParamInfo], spec: _Spec,
+               tensors: Mapping, attr: str) -> None:
+        """Raises the error for `problem` (a code of _C.check_bucket) at `info`'s param: `key` names the
+        state entry, `other` the param whose entry it shares, `spec` what the bucket expects."""
+        label, p = info.name, info.param
+        if problem == "param_dtype":
+            self._check_master_mode(info)
+            raise TypeError(f"{label} is {p.dtype} but was {spec.dtype} when the optimizer bucketed it; params "
+                            "must keep their dtype: build the optimizer after casting the model, or cast the param "
+                            "back")
+        if problem.startswith("param_"):
+            raise _param_error(problem, label, p, spec)
+        if problem.startswith("state_"):
+            raise _state_error(problem, label, p, key, other, tensors.get(p))
+        raise _grad_error(problem, label, p, getattr(p, attr, None), attr)
 
 
-def _raise_unsteppable(label: str, p: torch.Tensor, grad, attr: str) -> None:
-    if not p.is_contiguous():  # e.g. model.to(memory_format=...) after construction
-        raise ValueError(f"{label} is no longer contiguous; params must stay contiguous")
-    if not isinstance(grad, torch.Tensor):
-        raise TypeError(f"{label}: {attr} must be a tensor, got {type(grad).__name__}")
-    if grad.layout != torch.strided:
-        raise TypeError(f"{label}: {attr} has layout {grad.layout}; sparse gradients are not supported")
-    if grad.shape != p.shape:
-        raise ValueError(f"{label}: {attr} has shape {tuple(grad.shape)}, the param {tuple(p.shape)}")
-    if grad.device != p.device:
-        raise ValueError(f"{label}: {attr} is on {grad.device}, the param on {p.device}")
-    raise TypeError(f"{label}: {attr} has dtype {grad.dtype}; supported: float32, bfloat16, float16")
+def _check_lr_storage(index: int, lr) -> None:
+    """A tensor lr is read by the kernels (or on the host): its storage must hold it."""
+    if isinstance(lr, torch.Tensor):
+        problem = _C.storage_problem(lr)
+        if problem:
+            raise ValueError(f"param group {index}: lr: {problem}")
+
+
+def _moment_rules(kind: str, group: dict, required: bool) -> tuple:
+    """(key, dtype, shape, required) of the moments the kernels take (csrc/bindings.cpp, StateRule)."""
+    if kind == "adamw":
+        return (("exp_avg", torch.float32, _PARAM_SHAPE, required),
+                ("exp_avg_sq", torch.float32, _PARAM_SHAPE, required),
+                ("step", torch.float32, _SCALAR, required))
+    rules = (("momentum_buffer", torch.float32, _PARAM_SHAPE, required),)
+    if group["beta2"] is not None:  # created at first use when NorMuon is switched on later
+        rules += (("second_momentum_buffer", torch.float32, _SECOND_MOMENT, False),)
+    return rules
+
+
+def _master_rule(info: ParamInfo, required: bool) -> tuple:
+    """The master entry of the param's mode (none: there must be no such entry)."""
+    return (("master_param", _MASTER_DTYPES[info.master], _PARAM_SHAPE, required),)
+
+
+def _step_rules(bucket: Bucket, group: dict, infos: Mapping[int, ParamInfo]) -> tuple:
+    return _moment_rules(bucket.kind, group, True) + _master_rule(infos[id(bucket.params[0])], True)
+
+
+def _work_items(bucket: Bucket, group: dict, grads: List, state: Dict, uniform: bool) -> List[PlannedItem]:
+    if uniform:  # the common case: nothing to sort out
+        return [PlannedItem(WorkItem(bucket, group, bucket.params, grads), state)]
+    by_grad_dtype: Dict[torch.dtype, Tuple[List, List, List]] = {}
+    for i, (p, grad) in enumerate(zip(bucket.params, grads)):
+        if grad is not None:
+            params, contiguous, positions = by_grad_dtype.setdefault(grad.dtype, ([], [], []))
+            params.append(p)
+            contiguous.append(grad if grad.is_contiguous() else grad.contiguous())
+            positions.append(i)
+    return [PlannedItem(WorkItem(bucket, group, params, contiguous),
+                        {k: None if v is None else [v[i] for i in positions] for k, v in state.items()})
+            for params, contiguous, positions in by_grad_dtype.values()]
+
+
+def _param_error(problem: str, label: str, p: torch.Tensor, spec: _Spec) -> Exception:
+    if problem == "param_contiguous":  # e.g. model.to(memory_format=...) after construction
+        return ValueError(f"{label} is no longer contiguous; params must stay contiguous")
+    if problem == "param_device":
+        return ValueError(f"{label} is on {p.device} but was on {spec.device} when the optimizer bucketed it (its "
+                          "state is there); move the model before building the optimizer")
+    if problem == "param_shape":
+        return ValueError(f"{label} has shape {tuple(p.shape)}, no longer {spec.rows}x{spec.cols} matrices; "
+                          "params must keep their shape (resize them before building the optimizer)")
+    if problem == "param_storage":
+        return ValueError(f"{label}: {_C.storage_problem(p)}; restore the param's storage before the optimizer "
+                          "reads or writes it")
+    if problem == "param_layout":
+        return TypeError(f"{label} has layout {p.layout}; params must be dense (strided)")
+    return TypeError(f"{label} is a {type(p).__name__}, not a tensor")
+
+
+def _state_error(problem: str, label: str, p: torch.Tensor, key: str, other: Optional[ParamInfo],
+                 entry) -> Exception:
+    where = f"{label}: optimizer state '{key}'"
+    repair = "state tensors must keep the dtype, shape and device they were made with"
+    if problem == "state_missing":
+        return ValueError(f"{where} is missing ({repair}; load a checkpoint or build a new optimizer)")
+    if problem == "state_unexpected":
+        return ValueError(f"{where} is unexpected: this param keeps no separate master")
+    if problem == "state_shared":
+        return ValueError(f"{where} is the same tensor as that of {other.name}; each param needs its own")
+    if not isinstance(entry, dict):
+        return TypeError(f"{label}: its optimizer state must be a dict, got {type(entry).__name__}")
+    t = entry.get(key)
+    if problem == "state_type" or not isinstance(t, torch.Tensor):
+        return TypeError(f"{where} must be a tensor, got {type(t).__name__}")
+    if problem == "state_layout":
+        return TypeError(f"{where} has layout {t.layout}; {repair}")
+    if problem == "state_dtype":
+        return TypeError(f"{where} has dtype {t.dtype}; {repair}")
+    if problem == "state_device":
+        return ValueError(f"{where} is on {t.device}, the param on {p.device}; {repair} (move the model before "
+                          "building the optimizer)")
+    if problem == "state_shape":
+        return ValueError(f"{where} has shape {tuple(t.shape)} and the param {tuple(p.shape)}: params must keep "
+                          f"their shape and {repair}")
+    if problem == "state_contiguous":
+        return ValueError(f"{where} must be contiguous; {repair}")
+    return ValueError(f"{where}: {_C.storage_problem(t)}")
+
+
+def _grad_error(problem: str, label: str, p: torch.Tensor, grad, attr: str) -> Exception:
+    if problem == "grad_type":
+        return TypeError(f"{label}: {attr} must be a tensor, got {type(grad).__name__}")
+    if problem == "grad_layout":
+        return TypeError(f"{label}: {attr} has layout {grad.layout}; sparse gradients are not supported")
+    if problem == "grad_shape":
+        return ValueError(f"{label}: {attr} has shape {tuple(grad.shape)}, the param {tuple(p.shape)}")
+    if problem == "grad_device":
+        return ValueError(f"{label}: {attr} is on {grad.device}, the param on {p.device}")
+    if problem == "grad_storage":
+        return ValueError(f"{label}: {attr}: {_C.storage_problem(grad)}")
+    return TypeError(f"{label}: {attr} has dtype {grad.dtype}; supported: float32, bfloat16, float16")

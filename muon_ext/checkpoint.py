@@ -19,12 +19,13 @@ import torch
 
 from ._shapes import second_moment_shape
 from ._types import ParamInfo
-from .schema import check_hyper
+from .schema import check_hyper, check_lr_value
 from .state import OptimizerState
 
 __all__ = ["state_dict", "load_state_dict"]
 
 _FP32_STATE = ("exp_avg", "exp_avg_sq", "momentum_buffer", "second_momentum_buffer")
+_FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def state_dict(groups: List[dict], states: OptimizerState) -> dict:
@@ -50,6 +51,8 @@ def load_state_dict(groups: List[dict], states: OptimizerState, saved_dict: dict
     """Validates `saved_dict` against the optimizer's `groups` and `states`,
     then loads it: group settings, then each param's state and master. A tensor
     lr of a capturable optimizer is written in place."""
+    if not isinstance(saved_dict, dict):
+        raise TypeError(f"load_state_dict: expected a dict, got {type(saved_dict).__name__}")
     saved_groups = saved_dict.get("param_groups")
     saved_state = saved_dict.get("state")
     if not isinstance(saved_groups, list) or not isinstance(saved_state, dict):
@@ -60,6 +63,11 @@ def load_state_dict(groups: List[dict], states: OptimizerState, saved_dict: dict
                          f"the optimizer {len(groups)}")
     plan: List[tuple] = []  # (param's info, saved entry)
     for gi, (saved, group) in enumerate(zip(saved_groups, groups)):
+        if not isinstance(saved, dict):
+            raise TypeError(f"load_state_dict: param group {gi} must be a dict, got {type(saved).__name__}")
+        if not isinstance(saved.get("params", []), (list, tuple)):
+            raise TypeError(f"load_state_dict: param group {gi}: 'params' must be a list of state keys, got "
+                            f"{type(saved['params']).__name__}")
         if len(saved.get("params", [])) != len(group["params"]):
             raise ValueError(f"load_state_dict: param group {gi} has {len(saved.get('params', []))} params in the "
                              f"state dict and {len(group['params'])} in the optimizer")
@@ -71,6 +79,10 @@ def load_state_dict(groups: List[dict], states: OptimizerState, saved_dict: dict
             saved["lr"] = saved["lr"].detach().to(group["params"][0].device, torch.float32)
         merged = dict(group, **{k: v for k, v in saved.items() if k != "params"})
         check_hyper(gi, merged)
+        if isinstance(merged["lr"], torch.Tensor):
+            # Its value too (a device-to-host read on GPUs, once per load): a
+            # bad lr must not load and then fail every step.
+            check_lr_value(f"load_state_dict: param group {gi}: ", float(merged["lr"]), merged["kind"])
         if merged["kind"] == "muon" and merged["matrix_view"] != group["matrix_view"]:
             raise ValueError(f"load_state_dict: param group {gi} has matrix_view '{merged['matrix_view']}' in the "
                              f"state dict and '{group['matrix_view']}' in the optimizer")
@@ -109,26 +121,27 @@ def _check_entry(info: ParamInfo, entry: Dict, group: Dict) -> None:
             ok = (isinstance(value, (int, float)) and not isinstance(value, bool)) or (
                 isinstance(value, torch.Tensor) and value.numel() == 1 and value.layout == torch.strided
                 and not value.is_meta and not value.is_complex())
-            if not ok or not math.isfinite(float(value)) or float(value) < 0:
-                raise ValueError(f"{where}: expected a finite number >= 0 or a one-element tensor holding one")
+            # Step counters are FP32 tensors: the value must survive the rounding.
+            if not ok or not 0 <= float(value) <= _FLOAT32_MAX:
+                raise ValueError(f"{where}: expected a number in [0, {_FLOAT32_MAX:.4g}] (float32) or a "
+                                 f"one-element tensor holding one, got {value!r}")
             continue
+        if key not in _FP32_STATE and key != "master_param":
+            continue  # unknown extra state (any type) is kept as is
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{where}: expected a tensor, got {type(value).__name__}")
-        if key in _FP32_STATE or key == "master_param":
-            if value.layout != torch.strided or value.is_meta:
-                raise TypeError(f"{where}: expected a dense tensor with data, got layout {value.layout} "
-                                f"on {value.device}")
+        if value.layout != torch.strided or value.is_meta or value.is_nested:
+            kind = "a nested tensor" if value.is_nested else f"layout {value.layout} on {value.device}"
+            raise TypeError(f"{where}: expected a dense tensor with data, got {kind}")
         if key == "master_param":
             int16_ok = value.dtype == torch.int16 and p.dtype == torch.bfloat16
             if value.dtype != torch.float32 and not int16_ok:
                 raise TypeError(f"{where}: expected float32 (or int16 remainders for bfloat16 params), got {value.dtype}")
             expected = tuple(p.shape)
-        elif key in _FP32_STATE:
+        else:
             if not value.dtype.is_floating_point:
                 raise TypeError(f"{where}: expected a floating tensor, got {value.dtype}")
             expected = _expected_state_shape(p, key, group)
-        else:
-            continue  # unknown extra state is kept as is
         if expected is not None and tuple(value.shape) != expected:
             raise ValueError(f"{where}: shape {tuple(value.shape)}, expected {expected}")
 

@@ -25,6 +25,7 @@ __all__ = [
     "split_master",
     "merge_master",
     "cpu_capabilities",
+    "storage_problem",
     "POLAR_EXPRESS_COEFFICIENTS",
 ]
 
@@ -72,13 +73,18 @@ def adamw_step(
     if not _has_work("adamw_step", params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, steps=steps,
                      masters=masters):
         return
-    lr_value, lr_tensor = _split_lr("adamw_step", lr, params)
-    _entry("adamw_step", params[0])(
-        _tensors(params), _tensors(grads), _tensors(exp_avgs), _tensors(exp_avg_sqs), _tensors(masters),
-        _tensors(steps), lr=lr_value, lr_tensor=lr_tensor, beta1=float(beta1), beta2=float(beta2), eps=float(eps),
-        weight_decay=float(weight_decay), adam_w_mode=bool(adam_w_mode), bias_correction=bool(bias_correction),
-        inv_scale=inv_scale, found_inf=found_inf,
-    )
+    lists = _lists("adamw_step", params=params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs,
+                   masters=masters, steps=steps)
+    lr_value, lr_tensor = _split_lr("adamw_step", lr, lists)
+    try:
+        _entry("adamw_step", params[0])(
+            *lists.values(), lr=lr_value, lr_tensor=lr_tensor, beta1=float(beta1), beta2=float(beta2),
+            eps=float(eps), weight_decay=float(weight_decay), adam_w_mode=bool(adam_w_mode),
+            bias_correction=bool(bias_correction), inv_scale=inv_scale, found_inf=found_inf,
+        )
+    except (TypeError, RuntimeError):  # how pybind / the dispatcher refuse an argument they cannot convert
+        _raise_for_bad_entry("adamw_step", lists, inv_scale=inv_scale, found_inf=found_inf)
+        raise
 
 
 def muon_step(
@@ -123,15 +129,20 @@ def muon_step(
     if not _has_work("muon_step", params, grads=grads, momentum_buffers=momentum_buffers,
                      second_momentum_buffers=second_momentum_buffers, masters=masters):
         return
-    lr_value, lr_tensor = _split_lr("muon_step", lr, params)
-    _entry("muon_step", params[0])(
-        _tensors(params), _tensors(grads), _tensors(momentum_buffers), _tensors(second_momentum_buffers),
-        _tensors(masters), lr=lr_value, lr_tensor=lr_tensor, momentum=float(momentum), nesterov=bool(nesterov),
-        beta2=None if beta2 is None else float(beta2), weight_decay=float(weight_decay), ns_steps=int(ns_steps),
-        ns_coefficients=_flat_coefficients("muon_step", ns_coefficients, ns_steps), lr_scale=str(lr_scale),
-        inv_scale=inv_scale, found_inf=found_inf, max_workspace_bytes=int(max_workspace_bytes),
-        polar_row_blocks=_optional_int(polar_row_blocks, "polar_row_blocks"),
-    )
+    lists = _lists("muon_step", params=params, grads=grads, momentum_buffers=momentum_buffers,
+                   second_momentum_buffers=second_momentum_buffers, masters=masters)
+    lr_value, lr_tensor = _split_lr("muon_step", lr, lists)
+    try:
+        _entry("muon_step", params[0])(
+            *lists.values(), lr=lr_value, lr_tensor=lr_tensor, momentum=float(momentum), nesterov=bool(nesterov),
+            beta2=None if beta2 is None else float(beta2), weight_decay=float(weight_decay), ns_steps=int(ns_steps),
+            ns_coefficients=_flat_coefficients("muon_step", ns_coefficients, ns_steps), lr_scale=str(lr_scale),
+            inv_scale=inv_scale, found_inf=found_inf, max_workspace_bytes=int(max_workspace_bytes),
+            polar_row_blocks=_optional_int(polar_row_blocks, "polar_row_blocks"),
+        )
+    except (TypeError, RuntimeError):  # how pybind / the dispatcher refuse an argument they cannot convert
+        _raise_for_bad_entry("muon_step", lists, inv_scale=inv_scale, found_inf=found_inf)
+        raise
 
 
 def muon_momentum(
@@ -151,8 +162,13 @@ def muon_momentum(
     """
     if not _has_work("muon_momentum", updates, grads=grads, momentum_buffers=momentum_buffers, base="updates"):
         return
-    _ops.muon_momentum(_tensors(grads), _tensors(momentum_buffers), _tensors(updates), momentum=float(momentum),
-                       nesterov=bool(nesterov), inv_scale=inv_scale, found_inf=found_inf)
+    lists = _lists("muon_momentum", grads=grads, momentum_buffers=momentum_buffers, updates=updates)
+    try:
+        _ops.muon_momentum(*lists.values(), momentum=float(momentum), nesterov=bool(nesterov), inv_scale=inv_scale,
+                           found_inf=found_inf)
+    except (TypeError, RuntimeError):  # how pybind / the dispatcher refuse an argument they cannot convert
+        _raise_for_bad_entry("muon_momentum", lists, inv_scale=inv_scale, found_inf=found_inf)
+        raise
 
 
 def muon_orthogonalize(
@@ -175,12 +191,17 @@ def muon_orthogonalize(
     if not _has_work("muon_orthogonalize", updates, second_momentum_buffers=second_momentum_buffers,
                      base="updates", optional=("second_momentum_buffers",)):
         return
-    _ops.muon_orthogonalize(
-        _tensors(updates), _tensors(second_momentum_buffers), beta2=None if beta2 is None else float(beta2),
-        ns_steps=int(ns_steps), ns_coefficients=_flat_coefficients("muon_orthogonalize", ns_coefficients, ns_steps),
-        max_workspace_bytes=int(max_workspace_bytes),
-        polar_row_blocks=_optional_int(polar_row_blocks, "polar_row_blocks"), found_inf=found_inf,
-    )
+    lists = _lists("muon_orthogonalize", updates=updates, second_momentum_buffers=second_momentum_buffers)
+    try:
+        _ops.muon_orthogonalize(
+            *lists.values(), beta2=None if beta2 is None else float(beta2), ns_steps=int(ns_steps),
+            ns_coefficients=_flat_coefficients("muon_orthogonalize", ns_coefficients, ns_steps),
+            max_workspace_bytes=int(max_workspace_bytes),
+            polar_row_blocks=_optional_int(polar_row_blocks, "polar_row_blocks"), found_inf=found_inf,
+        )
+    except (TypeError, RuntimeError):  # how pybind / the dispatcher refuse an argument they cannot convert
+        _raise_for_bad_entry("muon_orthogonalize", lists, found_inf=found_inf)
+        raise
 
 
 def muon_apply(
@@ -202,15 +223,20 @@ def muon_apply(
     """
     if not _has_work("muon_apply", params, updates=updates, masters=masters):
         return
+    lists = _lists("muon_apply", params=params, updates=updates, masters=masters)
     if matrix_shape is None:
+        _require_tensor("muon_apply", "params[0]", lists["params"][0])
         if params[0].dim() < 2:
             raise ValueError("muon_apply: params[0] is not a matrix; pass matrix_shape=(rows, cols)")
         matrix_shape = tuple(params[0].shape[-2:])
     rows, cols = (int(v) for v in matrix_shape)
-    lr_value, lr_tensor = _split_lr("muon_apply", lr, params)
-    _ops.muon_apply(_tensors(params), _tensors(updates), _tensors(masters), lr=lr_value, lr_tensor=lr_tensor,
-                    weight_decay=float(weight_decay), lr_scale=str(lr_scale), rows=rows, cols=cols,
-                    found_inf=found_inf)
+    lr_value, lr_tensor = _split_lr("muon_apply", lr, lists)
+    try:
+        _ops.muon_apply(*lists.values(), lr=lr_value, lr_tensor=lr_tensor, weight_decay=float(weight_decay),
+                        lr_scale=str(lr_scale), rows=rows, cols=cols, found_inf=found_inf)
+    except (TypeError, RuntimeError):  # how pybind / the dispatcher refuse an argument they cannot convert
+        _raise_for_bad_entry("muon_apply", lists, found_inf=found_inf)
+        raise
 
 
 def split_master(
@@ -222,15 +248,21 @@ def split_master(
     Writes into `param` / `remainder` when given (contiguous, same shape and
     device as `master`), else into new tensors; returns both.
     """
+    _require_tensor("split_master", "master", master)
     param = torch.empty(master.shape, dtype=torch.bfloat16, device=master.device) if param is None else param
     remainder = torch.empty(master.shape, dtype=torch.int16, device=master.device) if remainder is None else remainder
+    _require_tensor("split_master", "param", param)
+    _require_tensor("split_master", "remainder", remainder)
     _ops.split_master(master, param, remainder)
     return param, remainder
 
 
 def merge_master(param: torch.Tensor, remainder: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The exact FP32 masters held by BF16 params and int16 remainders."""
+    _require_tensor("merge_master", "param", param)
+    _require_tensor("merge_master", "remainder", remainder)
     out = torch.empty(param.shape, dtype=torch.float32, device=param.device) if out is None else out
+    _require_tensor("merge_master", "out", out)
     _ops.merge_master(param, remainder, out)
     return out
 
@@ -257,9 +289,41 @@ def _entry(name: str, first: torch.Tensor):
     return getattr(_ops, name)
 
 
-def _tensors(seq) -> list:
-    """A list for a Tensor[] argument."""
-    return list(seq)
+def _lists(op: str, **arguments) -> dict:
+    """The Tensor[] arguments of a call as lists, by name, in the op's order."""
+    lists = {}
+    for name, seq in arguments.items():
+        if isinstance(seq, torch.Tensor):  # list() would split it into rows
+            raise TypeError(f"{op}: {name} must be a sequence of tensors, got a tensor of shape {tuple(seq.shape)}")
+        lists[name] = list(seq)
+    return lists
+
+
+def _require_tensor(op: str, name: str, value) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a tensor, got {type(value).__name__}")
+    return value
+
+
+def _raise_for_bad_entry(op: str, lists: dict, **optional) -> None:
+    """After a call failed: where an argument or list entry is not a tensor,
+    the error was pybind's or the dispatcher's generic conversion error (a
+    signature dump), so raise one naming the op, argument and index instead.
+    Looking only after a failure costs the common path nothing."""
+    for name, entries in lists.items():
+        for i, value in enumerate(entries):
+            if not isinstance(value, torch.Tensor):
+                raise TypeError(f"{op}: {name}[{i}] must be a tensor, got {type(value).__name__}") from None
+    for name, value in optional.items():
+        if value is not None and not isinstance(value, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a tensor or None, got {type(value).__name__}") from None
+
+
+def storage_problem(t: torch.Tensor) -> str:
+    """What is wrong with `t`'s storage for its view, or '' when it holds every
+    element: a storage released (untyped_storage().resize_(0)) or shrunk under
+    a view would be read out of bounds. Every op refuses such tensors."""
+    return _C.storage_problem(t)
 
 
 def _has_work(op: str, main, base: str = "params", optional=("masters",), **lists) -> bool:
@@ -288,15 +352,20 @@ def _flat_coefficients(op: str, coefficients, ns_steps) -> List[float]:
     return flat
 
 
-def _split_lr(op: str, lr, params):
+def _split_lr(op: str, lr, lists: dict):
     """A host float, or a device tensor the kernel reads (a CPU tensor for device params is read here)."""
     if not isinstance(lr, torch.Tensor):
         return float(lr), None
-    if lr.device == params[0].device:
-        return 0.0, lr
+    main = next(iter(lists))
+    first = _require_tensor(op, f"{main}[0]", lists[main][0])
+    if lr.device == first.device:
+        return 0.0, lr  # the op checks it
+    problem = _C.storage_problem(lr)
+    if problem:
+        raise ValueError(f"{op}: lr: {problem}")
     if lr.device.type == "cpu":
         return float(lr.item()), None
-    raise ValueError(f"{op}: lr is on {lr.device} but params are on {params[0].device}")
+    raise ValueError(f"{op}: lr is on {lr.device} but {main} are on {first.device}")
 
 
 def cpu_capabilities() -> list:

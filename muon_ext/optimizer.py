@@ -9,13 +9,13 @@ they are where CPU-staged state and distributed Muon will attach.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Dict, Iterable, List, Optional
 
 import torch
 
 from . import checkpoint, ops, schema
 from ._shapes import as_matrices
-from ._types import WorkItem
+from ._types import ParamInfo, WorkItem
 from .amp import GradScalerInputs, capturing, device_lr
 from .buckets import StepPlanner
 from .state import OptimizerState, check_master_values
@@ -60,7 +60,7 @@ class MuonAdamW(torch.optim.Optimizer):
         self.grad_attr = grad_attr
         self.capturable = bool(capturable)
         self.max_workspace_bytes = int(max_workspace_bytes)
-        self._planner = StepPlanner()
+        self._planner = StepPlanner(master_weights, self.store_param_remainders)
         self._states: Optional[OptimizerState] = None  # made by the first add_param_group, on torch's self.state
         if isinstance(params, (torch.Tensor, set, frozenset)):
             raise TypeError(f"params must be a list of param groups, not a {type(params).__name__}")
@@ -82,7 +82,7 @@ class MuonAdamW(torch.optim.Optimizer):
         pending = state.pop("_pending_master_reads", [])
         state.setdefault("capturable", False)
         super().__setstate__(state)
-        self._planner = StepPlanner()
+        self._planner = StepPlanner(self.master_weights, self.store_param_remainders)
         self._states = OptimizerState(self.state, self.master_weights, self.store_param_remainders)
         for index, group in enumerate(self.param_groups):
             self._states.register(index, group, group.get("param_names"))
@@ -119,14 +119,17 @@ class MuonAdamW(torch.optim.Optimizer):
     def step(self, closure: Optional[Callable[[], float]] = None):
         """One optimizer step over every param that has a gradient.
 
-        Every group setting and gradient is checked before the first param is
-        written, so a bad one raises with the optimizer untouched."""
+        Every group setting, param, state tensor and gradient is checked
+        before the first param is written (metadata only: dtypes, shapes,
+        devices, layouts, storage sizes), so a bad one raises, naming the
+        param, with the optimizer untouched."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         try:
-            work = self._planner.plan(self.param_groups, self._states.infos, self.grad_attr,
+            schema.check_options(self.master_weights, self.grad_attr, self.max_workspace_bytes)
+            work = self._planner.plan(self.param_groups, self._states.infos, self._states.tensors, self.grad_attr,
                                       hasattr(self, "found_inf"))
         except Exception:
             # GradScaler deletes these only after a step returns: drop them so
@@ -136,14 +139,14 @@ class MuonAdamW(torch.optim.Optimizer):
             raise
         self._states.resolve_pending()
         scalers = GradScalerInputs(getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
-        for item in work:
+        for item, state in work:
             self._acquire(item)
             self._gather(item)
             inv_scale, found_inf = scalers.on(item.params[0].device)
             if item.bucket.kind == "adamw":
-                self._adamw(item, inv_scale, found_inf)
+                self._adamw(item, state, inv_scale, found_inf)
             else:
-                self._muon(item, inv_scale, found_inf)
+                self._muon(item, state, inv_scale, found_inf)
             self._scatter(item)
             self._write(item)
             self._release(item)
@@ -165,29 +168,30 @@ class MuonAdamW(torch.optim.Optimizer):
     def _release(self, item: WorkItem) -> None:
         """Offload: drain the item's staged state back to CPU memory and free its slots."""
 
-    def _adamw(self, item: WorkItem, inv_scale, found_inf) -> None:
+    def _adamw(self, item: WorkItem, state: Dict[str, Optional[List[torch.Tensor]]], inv_scale, found_inf) -> None:
         group, params = item.group, item.params
-        states = [self.state[p] for p in params]
         beta1, beta2 = group["betas"]
         ops.adamw_step(
-            params, item.grads, [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-            [s["step"] for s in states], masters=self._states.masters(params), lr=group["lr"], beta1=beta1,
+            params, item.grads, state["exp_avg"], state["exp_avg_sq"], state["step"],
+            masters=state.get("master_param", ()), lr=group["lr"], beta1=beta1,
             beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], adam_w_mode=group["adam_w_mode"],
             bias_correction=group["bias_correction"], inv_scale=inv_scale, found_inf=found_inf,
         )
 
-    def _muon(self, item: WorkItem, inv_scale, found_inf) -> None:
+    def _muon(self, item: WorkItem, state: Dict[str, Optional[List[torch.Tensor]]], inv_scale, found_inf) -> None:
         group, params, view = item.group, item.params, item.group["matrix_view"]
-        normuon = group["beta2"] is not None
-        if normuon and any("second_momentum_buffer" not in self.state[p] for p in params):
-            for p in params:  # beta2 was switched on after construction
-                self._states.init(self._states.info(p), group)
-        states = [self.state[p] for p in params]
+        second_moments = []
+        if group["beta2"] is not None:
+            second_moments = state["second_momentum_buffer"]
+            if second_moments is None:  # beta2 was switched on after construction
+                for p in params:
+                    self._states.init(self._states.info(p), group)
+                second_moments = [self.state[p]["second_momentum_buffer"] for p in params]
+        grads, moms, masters = item.grads, state["momentum_buffer"], state.get("master_param", ())
+        if view == "flatten":  # the only view that is not the tensors themselves
+            params, grads, moms, masters = ([as_matrices(t, view) for t in ts] for ts in (params, grads, moms, masters))
         ops.muon_step(
-            [as_matrices(p, view) for p in params], [as_matrices(g, view) for g in item.grads],
-            [as_matrices(s["momentum_buffer"], view) for s in states],
-            [s["second_momentum_buffer"] for s in states] if normuon else [],
-            masters=[as_matrices(m, view) for m in self._states.masters(params)], lr=group["lr"],
+            params, grads, moms, second_moments, masters=masters, lr=group["lr"],
             momentum=group["momentum"], nesterov=group["nesterov"], beta2=group["beta2"],
             weight_decay=group["weight_decay"], ns_steps=group["ns_steps"], ns_coefficients=group["ns_coefficients"],
             lr_scale=group["lr_scale"], inv_scale=inv_scale, found_inf=found_inf,
@@ -199,7 +203,7 @@ class MuonAdamW(torch.optim.Optimizer):
     # ------------------------------------------------------------------
 
     @torch.no_grad()
-    def update_param(self, param: torch.nn.Parameter, values: torch.Tensor) -> None:
+    def update_param(self, param: torch.nn.Parameter, values: torch.Tensor, *, allow_nonfinite: bool = False) -> None:
         """Set a parameter and its master weights to `values`.
 
         `values` are FP32 with the param's full shape (any layout or device).
@@ -207,11 +211,20 @@ class MuonAdamW(torch.optim.Optimizer):
         BF16 + remainders, round-to-nearest-even otherwise). Moments and step
         counts are kept (created if absent). Everything is validated before
         anything is written. Not allowed during CUDA graph capture.
+
+        Values holding NaN or inf raise ValueError unless `allow_nonfinite=True`.
+        That check reads the values: for values on a CUDA device it waits for
+        the device (one host synchronization per call); `allow_nonfinite=True`
+        skips it.
         """
         info = self._states.info(param)
         check_master_values(info, values)
         if capturing():
             raise RuntimeError("update_param: not allowed during CUDA graph capture")
+        self._check_params([info], all_state=False, reading=False)
+        if not allow_nonfinite and not bool(torch.isfinite(values).all()):
+            raise ValueError(f"update_param: the values for {info.name} hold NaN or inf; a non-finite master "
+                             "poisons every later step (pass allow_nonfinite=True to write them anyway)")
         self._states.init(info, self.param_groups[info.group])
         self._states.write_master(info, values.detach().to(param.device).contiguous())
 
@@ -220,9 +233,18 @@ class MuonAdamW(torch.optim.Optimizer):
 
         Reconstructed from remainders where they are used; the param's values
         for params without a separate master. Raises for params this optimizer
-        does not own.
+        does not own, and (naming it) for a param whose storage or master
+        cannot be read.
         """
-        return self._states.read_master(self._states.info(param))
+        info = self._states.info(param)
+        self._check_params([info], all_state=False, reading=True)
+        return self._states.read_master(info)
+
+    def _check_params(self, infos: Iterable[ParamInfo], *, all_state: bool, reading: bool) -> None:
+        """Outside a step, before params and masters are read or written: the step's checks (storage held, master
+        mode for the dtype, state dtypes, shapes and devices), naming the param."""
+        self._planner.check_params(infos, self.param_groups, self._states.tensors, all_state=all_state,
+                                   reading=reading)
 
     # ------------------------------------------------------------------
     # Checkpoints
@@ -234,6 +256,7 @@ class MuonAdamW(torch.optim.Optimizer):
         `register_state_dict_pre_hook` / `register_state_dict_post_hook`."""
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
+        self._check_params(self._states.infos.values(), all_state=False, reading=True)
         state_dict = checkpoint.state_dict(self.param_groups, self._states)
         for hook in self._optimizer_state_dict_post_hooks.values():
             result = hook(self, state_dict)
@@ -255,6 +278,8 @@ class MuonAdamW(torch.optim.Optimizer):
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
+        # Loading writes every param and state tensor: none may be written out of bounds.
+        self._check_params(self._states.infos.values(), all_state=True, reading=False)
         checkpoint.load_state_dict(self.param_groups, self._states, state_dict, capturable=self.capturable)
         self._planner.invalidate()
         for hook in self._optimizer_load_state_dict_post_hooks.values():

@@ -32,14 +32,19 @@ def split_master(master: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """Split FP32 masters into (BF16 param, int16 remainder).
 
     Bit pattern b: remainder = low 16 bits as int16; BF16 bits = (b >> 16) +
-    (low >= 0x8000), mod 2^16 (round half up on the pattern, not RNE).
+    (low >= 0x8000), mod 2^16 (round half up on the pattern, not RNE), except
+    that a NaN master's BF16 magnitude is clamped to 0x7F81..0x7FFF so the
+    param is NaN too (docs/design.md, "Master weights and remainders").
     """
     if master.dtype != torch.float32:
         raise TypeError(f"split_master: master must be float32, got {master.dtype}")
     bits = master.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     lo = bits & 0xFFFF
-    hi = (bits >> 16) + (lo >= 0x8000).to(torch.int64)
-    param = _uint16_to_int16(hi & 0xFFFF).view(torch.bfloat16)
+    magnitude = ((bits >> 16) & 0x7FFF) + (lo >> 15)
+    is_nan = (bits & 0x7FFFFFFF) > 0x7F800000
+    magnitude = torch.where(is_nan, magnitude.clamp(0x7F81, 0x7FFF), magnitude)
+    hi = ((bits >> 16) & 0x8000) | magnitude
+    param = _uint16_to_int16(hi).view(torch.bfloat16)
     remainder = _uint16_to_int16(lo)
     return param, remainder
 
@@ -76,7 +81,7 @@ def _sqrt(x: torch.Tensor) -> torch.Tensor:
 def _pow_by_squaring(base: float, step: float) -> float:
     """beta^n for a whole-number step, by binary exponentiation in double: the
     exact sequence of IEEE multiplications the kernels perform."""
-    n, result = int(step) if step > 0 else 0, 1.0
+    n, result = int(min(step, 2.0**62)) if step > 0 else 0, 1.0  # the kernels' cap (beta^(2^62) is 0)
     while n:
         if n & 1:
             result = result * base

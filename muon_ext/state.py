@@ -27,7 +27,7 @@ def master_mode(p: torch.Tensor, master_weights, store_param_remainders: bool) -
 
 def check_master_values(info: ParamInfo, values) -> None:
     """Raises unless `values` can become the param's FP32 master: a dense FP32
-    tensor of the param's shape (any layout or device)."""
+    tensor of the param's shape (any layout or device) whose storage holds it."""
     if not isinstance(values, torch.Tensor):
         raise TypeError(f"update_param: values must be a tensor, got {type(values).__name__}")
     if is_dtensor(values):
@@ -40,6 +40,9 @@ def check_master_values(info: ParamInfo, values) -> None:
     if tuple(values.shape) != tuple(info.param.shape):
         raise ValueError(f"update_param: values have shape {tuple(values.shape)} but {info.name} has shape "
                          f"{tuple(info.param.shape)}")
+    problem = ops.storage_problem(values)  # reading them would go out of bounds
+    if problem:
+        raise ValueError(f"update_param: values for {info.name}: {problem}")
 
 
 class OptimizerState:

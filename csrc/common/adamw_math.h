@@ -56,9 +56,13 @@ struct AdamWHyper {
 // beta^n for a whole-number step n, by binary exponentiation in double.  Only
 // IEEE multiplications are involved (no library pow, whose last bit differs
 // between glibc and CUDA), so every backend -- and the Python reference, which
-// runs the same loop -- gets the same bits.
+// runs the same loop -- gets the same bits.  Counts are capped at 2^62 (a
+// float-to-integer conversion beyond 2^64 is undefined): for every beta < 1
+// the power is already 0 there, so the cap changes no result.
+constexpr float kMaxPowStep = 4.611686018427387904e18f;  // 2^62
 MUON_HD double pow_by_squaring(double base, float step) {
-  unsigned long long n = step > 0.0f ? static_cast<unsigned long long>(step) : 0ull;
+  unsigned long long n =
+      step > 0.0f ? (step < kMaxPowStep ? static_cast<unsigned long long>(step) : (1ull << 62)) : 0ull;
   double result = 1.0;
   while (n != 0ull) {
     if (n & 1ull) result = result * base;

@@ -1,7 +1,8 @@
 // One Polar-Express iteration as a plan of operations on four per-matrix
-// buffers, executed by the CPU kernel (at::mm on views), the CUDA kernel
-// (cuBLAS strided-batched GEMMs) and the C++ tests (a naive column-major GEMM),
-// so the buffer layouts and the transposes are checked without a GPU.
+// buffers, executed by the CPU kernel (at::addmm_out on views, cut into row
+// panels by polar_stages), the CUDA kernel (cuBLAS strided-batched GEMMs) and
+// the C++ tests (a naive column-major GEMM), so the buffer layouts and the
+// transposes are checked without a GPU.
 //
 // Buffers, per matrix, row-major: X and XOperand [rows, cols], Gram and Poly
 // [side, side] with side = min(rows, cols). With V = X (wide) or X^T (tall):
@@ -41,6 +42,10 @@ struct PolarView {
   bool transposed;
 
   PolarView t() const { return {buffer, offset, cols, rows, ld, !transposed}; }
+  // Rows [r0, r0 + h) of this view.
+  PolarView row_slice(int64_t r0, int64_t h) const {
+    return {buffer, offset + r0 * (transposed ? 1 : ld), h, cols, ld, transposed};
+  }
 };
 
 struct PolarOp {
@@ -122,6 +127,42 @@ inline std::vector<PolarOp> polar_iteration_plan(int64_t rows, int64_t cols, con
   plan.push_back(wide ? gemm(x, poly, x_operand, PolarScalar::kOne, PolarScalar::kA)    // X = Poly X + a X
                       : gemm(x, x_operand, poly, PolarScalar::kOne, PolarScalar::kA));  // X = X Poly + a X
   return plan;
+}
+
+// CPU output panels: GEMMs are cut into row panels of about this many rows,
+// a function of the shape only, so a matrix's GEMM calls (and their bits) do
+// not depend on the thread count (docs/design.md, "CPU kernels").
+constexpr int64_t kPolarPanelRowsCpu = 128;
+
+// The plan as the CPU runs it: every GEMM cut into near-equal output row
+// panels of at most `panel_rows` rows (the lhs rows with them), and each run of
+// consecutive GEMMs made one stage: they write disjoint parts of one buffer and
+// read only other buffers (and, through beta, their own part), so a stage's
+// GEMMs may run in any order or concurrently. A copy or mirror is a stage alone.
+inline std::vector<std::vector<PolarOp>> polar_stages(const std::vector<PolarOp>& plan, int64_t panel_rows) {
+  std::vector<std::vector<PolarOp>> stages;
+  bool in_gemm_stage = false;
+  for (const PolarOp& op : plan) {
+    if (op.kind != PolarOp::Kind::kGemm) {
+      stages.push_back({op});
+      in_gemm_stage = false;
+      continue;
+    }
+    if (!in_gemm_stage) stages.emplace_back();
+    in_gemm_stage = true;
+    const int64_t rows = op.out.rows;
+    const std::vector<int64_t> bounds =
+        polar_block_bounds(rows, (rows + std::max<int64_t>(panel_rows, 1) - 1) / std::max<int64_t>(panel_rows, 1));
+    for (size_t i = 0; i + 1 < bounds.size(); ++i) {
+      const int64_t r0 = bounds[i], h = bounds[i + 1] - r0;
+      if (h == 0) continue;
+      PolarOp panel = op;
+      panel.out = op.out.row_slice(r0, h);
+      panel.lhs = op.lhs.row_slice(r0, h);
+      stages.back().push_back(panel);
+    }
+  }
+  return stages;
 }
 
 // A kGemm in cuBLAS's column-major terms: C = alpha op_a(A) op_b(B) + beta C,

@@ -2,9 +2,10 @@
 // with FP32 GEMMs, NorMuon statistics, cautious apply into params and masters.
 //
 // The element math is csrc/common/muon_math.h, shared with the CUDA kernels.
-// GEMMs run one matrix at a time through at::mm, so a matrix gets the same
-// bits whether it is stepped alone, in a bucket, or in any chunk of one. The
-// symmetric products X X^T and A A compute only their upper block triangle
+// GEMMs run per matrix in fixed row panels, one single-threaded at::addmm_out
+// each, so a matrix gets the same bits whether it is stepped alone, in a
+// bucket, in any chunk of one, or on any number of threads. The symmetric
+// products X X^T and A A compute only their upper block triangle
 // (csrc/common/polar_plan.h, the plan the CUDA kernel runs too).
 #include "muon_cpu.h"
 
@@ -12,6 +13,9 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
+#include <cstdint>
 #include <type_traits>
 #include <vector>
 
@@ -113,6 +117,42 @@ void momentum_and_scale(const MuonBucket& b, const MuonStepOptions& o, const std
   scale_by_input_norm(xs, count, n, partial);
 }
 
+// MKL's thread-local thread count, exported by MKL-linked torch builds; weak,
+// so a torch with another BLAS still loads this library (and runs unguarded).
+extern "C" int MKL_Set_Num_Threads_Local(int) __attribute__((weak));
+
+// While alive, BLAS calls from this thread run on this thread alone. MKL's
+// threaded GEMM splits the work by its thread count, and the split changes
+// the bits (with beta != 0 at 2 threads, even with beta = 0 at 4); single-
+// threaded calls on fixed panels make the bits independent of the thread
+// count (docs/design.md, "Rounding contract"). On exit the thread follows
+// MKL's global setting again (torch sets only that one).
+class SequentialBlas {
+ public:
+  SequentialBlas() {
+    if (MKL_Set_Num_Threads_Local != nullptr) MKL_Set_Num_Threads_Local(1);
+  }
+  ~SequentialBlas() {
+    if (MKL_Set_Num_Threads_Local != nullptr) MKL_Set_Num_Threads_Local(0);
+  }
+  SequentialBlas(const SequentialBlas&) = delete;
+  SequentialBlas& operator=(const SequentialBlas&) = delete;
+};
+
+// Runs fn(task) for every task in [0, n) on the intra-op threads, handed out
+// one at a time (they differ in size), with single-threaded BLAS. Which thread
+// runs a task never changes what it computes.
+template <typename Fn>
+void run_tasks(int64_t n, const Fn& fn) {
+  if (n <= 0) return;
+  std::atomic<int64_t> next{0};
+  const int64_t workers = std::min<int64_t>(n, at::get_num_threads());
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
+    SequentialBlas sequential;
+    for (int64_t t = next.fetch_add(1); t < n; t = next.fetch_add(1)) fn(t);
+  });
+}
+
 // A PolarView of one matrix's buffer slot (a flat contiguous tensor) as a tensor.
 at::Tensor view_of(const at::Tensor& slot, const PolarView& v) {
   const int64_t base = slot.storage_offset() + v.offset;
@@ -129,50 +169,79 @@ void mirror_upper_blocks(const at::Tensor& slot, int64_t side, const std::vector
   }
 }
 
-// Polar-Express iterations, FP32, one matrix at a time (see the file comment),
-// executing csrc/common/polar_plan.h; the result lands in `x`.
+// Floats per 64 bytes: every Polar-Express buffer starts on a 64-byte boundary.
+// The GEMM library picks its code path (and so its rounding) by the operands'
+// alignment, so a buffer at an arbitrary offset (a matrix inside a bucket, a
+// user's update tensor) would change the bits (docs/design.md, "CPU kernels").
+constexpr int64_t kAlignFloats = 16;
+
+int64_t align_up(int64_t n) { return (n + kAlignFloats - 1) / kAlignFloats * kAlignFloats; }
+
+// Polar-Express iterations, FP32, executing csrc/common/polar_plan.h's stages;
+// the result lands in `x` ([count, rows, cols]). Every GEMM is a fixed row
+// panel computed by one single-threaded BLAS call on 64-byte aligned buffers
+// (X is copied into the aligned scratch and back), so each matrix gets the
+// same bits for any thread count, any address, alone, batched or in any chunk.
+// Threads share the panels of up to `group` matrices at a time, each with its
+// own scratch (group <= threads, and within `max_scratch_bytes` beyond one).
 void polar_express(at::Tensor& x, const std::vector<std::array<float, 3>>& coefficients, int64_t rows,
-                   int64_t cols, int64_t row_blocks) {
-  if (coefficients.empty()) return;
+                   int64_t cols, int64_t row_blocks, int64_t max_scratch_bytes) {
+  const int64_t count = x.size(0);
+  if (coefficients.empty() || count == 0) return;
   const int64_t side = std::min(rows, cols);
   const std::vector<int64_t> bounds =
       polar_block_bounds(side, row_blocks > 0 ? row_blocks : polar_row_blocks_cpu(side));
-  const std::vector<PolarOp> plan = polar_iteration_plan(rows, cols, bounds);
-  std::array<at::Tensor, kPolarBufferCount> slots;
-  for (int k = 1; k < kPolarBufferCount; ++k) {
-    slots[k] = at::empty({polar_buffer_numel(static_cast<PolarBuffer>(k), rows, cols)}, x.options());
+  const std::vector<std::vector<PolarOp>> stages =
+      polar_stages(polar_iteration_plan(rows, cols, bounds), kPolarPanelRowsCpu);
+
+  // Scratch of one matrix: its four buffers back to back, each 64-byte aligned
+  // (at::empty's CPU allocations are).
+  std::array<int64_t, kPolarBufferCount> slot_offset{};
+  int64_t scratch_numel = 0;
+  for (int k = 0; k < kPolarBufferCount; ++k) {
+    slot_offset[k] = scratch_numel;
+    scratch_numel += align_up(polar_buffer_numel(static_cast<PolarBuffer>(k), rows, cols));
   }
-  auto slot = [&](PolarBuffer b) -> const at::Tensor& { return slots[static_cast<int>(b)]; };
-  // The GEMM operands of one matrix, made once and reused by every iteration
-  // (for small matrices, making views costs as much as the GEMMs).
-  std::vector<std::array<at::Tensor, 3>> operands(plan.size());
-  for (int64_t j = 0; j < x.size(0); ++j) {
-    slots[static_cast<int>(PolarBuffer::kX)] = x.select(0, j).view({-1});
-    for (size_t i = 0; i < plan.size(); ++i) {
-      const PolarOp& op = plan[i];
-      if (op.kind != PolarOp::Kind::kGemm) continue;
-      operands[i] = {view_of(slot(op.out.buffer), op.out), view_of(slot(op.lhs.buffer), op.lhs),
-                     view_of(slot(op.rhs.buffer), op.rhs)};
-    }
+  const int64_t scratch_bytes = scratch_numel * int64_t(sizeof(float));
+  const int64_t group = std::max<int64_t>(
+      1, std::min({count, int64_t(at::get_num_threads()), max_scratch_bytes / std::max<int64_t>(scratch_bytes, 1)}));
+  const at::Tensor scratch = at::empty({group, scratch_numel}, x.options());
+  TORCH_INTERNAL_ASSERT(reinterpret_cast<uintptr_t>(scratch.const_data_ptr()) % (kAlignFloats * sizeof(float)) == 0);
+  const at::Tensor flat_x = x.view({count, rows * cols});
+  auto slot = [&](int64_t member, PolarBuffer b) -> at::Tensor {
+    const int k = static_cast<int>(b);
+    return scratch[member].narrow(0, slot_offset[k], polar_buffer_numel(b, rows, cols));
+  };
+
+  for (int64_t first = 0; first < count; first += group) {
+    const int64_t members = std::min(group, count - first);
+    run_tasks(members, [&](int64_t member) { slot(member, PolarBuffer::kX).copy_(flat_x[first + member]); });
     for (const auto& abc : coefficients) {
-      for (size_t i = 0; i < plan.size(); ++i) {
-        const PolarOp& op = plan[i];
-        switch (op.kind) {
-          case PolarOp::Kind::kGemm: {
-            at::Tensor& out = operands[i][0];
-            at::addmm_out(out, out, operands[i][1], operands[i][2], polar_scalar_value(op.beta, abc[0], abc[1], abc[2]),
-                          polar_scalar_value(op.alpha, abc[0], abc[1], abc[2]));
-            break;
+      for (const std::vector<PolarOp>& stage : stages) {
+        const int64_t ops = static_cast<int64_t>(stage.size());
+        run_tasks(members * ops, [&](int64_t task) {
+          const int64_t member = task / ops;
+          const PolarOp& op = stage[task % ops];
+          switch (op.kind) {
+            case PolarOp::Kind::kGemm: {
+              at::Tensor out = view_of(slot(member, op.out.buffer), op.out);
+              at::addmm_out(out, out, view_of(slot(member, op.lhs.buffer), op.lhs),
+                            view_of(slot(member, op.rhs.buffer), op.rhs),
+                            polar_scalar_value(op.beta, abc[0], abc[1], abc[2]),
+                            polar_scalar_value(op.alpha, abc[0], abc[1], abc[2]));
+              break;
+            }
+            case PolarOp::Kind::kCopy:
+              slot(member, op.to).copy_(slot(member, op.from));
+              break;
+            case PolarOp::Kind::kMirror:
+              mirror_upper_blocks(slot(member, op.to), side, bounds);
+              break;
           }
-          case PolarOp::Kind::kCopy:
-            slot(op.to).copy_(slot(op.from));
-            break;
-          case PolarOp::Kind::kMirror:
-            mirror_upper_blocks(slot(op.to), side, bounds);
-            break;
-        }
+        });
       }
     }
+    run_tasks(members, [&](int64_t member) { flat_x[first + member].copy_(slot(member, PolarBuffer::kX)); });
   }
 }
 
@@ -330,7 +399,7 @@ void muon_step(const MuonBucket& b, const MuonStepOptions& o) {
     const std::vector<MatrixRef> mats(all.begin() + first, all.begin() + std::min(first + chunk, total));
     at::Tensor x = workspace.narrow(0, 0, static_cast<int64_t>(mats.size()));
     momentum_and_scale(b, o, mats, inv_scale, x);
-    polar_express(x, o.coefficients, b.rows, b.cols, o.polar_row_blocks);
+    polar_express(x, o.coefficients, b.rows, b.cols, o.polar_row_blocks, o.max_workspace_bytes);
     if (o.hyper.normuon) {
       const int64_t len = b.stat_length();
       normuon_multipliers(b.rows, b.cols, o.hyper.beta2, static_cast<int64_t>(mats.size()), x.const_data_ptr<float>(),
@@ -376,7 +445,7 @@ void muon_orthogonalize(const MuonOrthogonalizeArgs& args) {
     });
     scale_by_input_norm(xs, count, n, partial);
     at::Tensor matrices = x;
-    polar_express(matrices, args.coefficients, rows, cols, args.polar_row_blocks);
+    polar_express(matrices, args.coefficients, rows, cols, args.polar_row_blocks, args.max_workspace_bytes);
     if (!args.normuon) continue;
     float* smb = args.second_momentum_buffers[i].data_ptr<float>();
     normuon_multipliers(rows, cols, args.beta2, count, xs, [&](int64_t j) { return smb + j * len; }, mult);

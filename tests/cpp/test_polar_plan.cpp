@@ -1,13 +1,15 @@
 // The Polar-Express iteration plan (csrc/common/polar_plan.h) executed with
 // cuBLAS's column-major GEMM semantics, in double, against the iteration
 // written out directly: checks every transpose, offset and leading dimension
-// the CUDA kernel hands to cuBLAS, plain and block-triangular, without a GPU.
+// the CUDA kernel hands to cuBLAS, plain and block-triangular, without a GPU,
+// and the CPU's row-panel stages (polar_stages) the same way.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <array>
 #include <cmath>
 #include <random>
+#include <set>
 #include <tuple>
 #include <vector>
 
@@ -128,6 +130,100 @@ TEST_P(PolarPlanTest, ExecutesOneIterationExactly) {
 INSTANTIATE_TEST_SUITE_P(Shapes, PolarPlanTest,
                          ::testing::Combine(::testing::Values(1, 3, 8, 13), ::testing::Values(1, 5, 8, 21),
                                             ::testing::Values(1, 2, 3, 8)));
+
+// Every element a view covers, as (buffer, index) keys.
+std::set<std::pair<int, int64_t>> elements(const PolarView& v) {
+  std::set<std::pair<int, int64_t>> out;
+  for (int64_t i = 0; i < v.rows; ++i)
+    for (int64_t j = 0; j < v.cols; ++j)
+      out.insert({static_cast<int>(v.buffer), v.transposed ? v.offset + j * v.ld + i : v.offset + i * v.ld + j});
+  return out;
+}
+
+// The CPU's staged plan (row panels, csrc/cpu/muon_cpu.cpp): run stage by
+// stage, each GEMM stage's panels in the given order, it computes the
+// iteration; its GEMM stages are independent (no panel writes what another
+// panel of the stage reads or writes), which is what lets the CPU run them on
+// any threads in any order with the same bits.
+class PolarStagesTest : public ::testing::TestWithParam<std::tuple<int64_t, int64_t, int64_t, int64_t>> {};
+
+TEST_P(PolarStagesTest, PanelsComputeTheIterationInAnyOrder) {
+  const auto [rows, cols, blocks, panel_rows] = GetParam();
+  const int64_t side = std::min(rows, cols);
+  const std::vector<int64_t> bounds = polar_block_bounds(side, blocks);
+  const std::vector<std::vector<PolarOp>> stages = polar_stages(polar_iteration_plan(rows, cols, bounds), panel_rows);
+  std::mt19937 gen(static_cast<unsigned>(rows * 1000 + cols * 10 + blocks + 7 * panel_rows));
+  std::normal_distribution<double> normal;
+  Slots start;
+  for (int k = 0; k < kPolarBufferCount; ++k) {
+    start.buffer[k].assign(polar_buffer_numel(static_cast<PolarBuffer>(k), rows, cols), std::nan(""));
+  }
+  for (double& v : start[PolarBuffer::kX]) v = normal(gen) * 0.1;
+  const double a = 3.4, b = -2.7, c = 0.5;
+  const Matrix expected = direct_iteration(start[PolarBuffer::kX], rows, cols, a, b, c);
+
+  for (const bool reversed : {false, true}) {
+    SCOPED_TRACE(reversed ? "panels in reverse order" : "panels in order");
+    Slots s = start;
+    for (std::vector<PolarOp> stage : stages) {
+      if (reversed) std::reverse(stage.begin(), stage.end());
+      execute(stage, bounds, a, b, c, side, s);
+    }
+    const Matrix& got = s[PolarBuffer::kX];
+    ASSERT_EQ(got.size(), expected.size());
+    for (size_t i = 0; i < got.size(); ++i) {
+      ASSERT_NEAR(got[i], expected[i], 1e-12 * (1.0 + std::abs(expected[i]))) << "element " << i;
+    }
+  }
+
+  size_t gemms = 0;
+  for (const std::vector<PolarOp>& stage : stages) {
+    for (size_t i = 0; i < stage.size(); ++i) {
+      const PolarOp& op = stage[i];
+      if (op.kind != PolarOp::Kind::kGemm) {
+        ASSERT_EQ(stage.size(), 1u) << "a copy or mirror shares its stage";
+        continue;
+      }
+      ++gemms;
+      ASSERT_LE(op.out.rows, panel_rows);
+      const auto out = elements(op.out);
+      for (size_t j = 0; j < stage.size(); ++j) {
+        if (j == i) continue;
+        for (const PolarView& other : {stage[j].out, stage[j].lhs, stage[j].rhs}) {
+          for (const auto& e : elements(other)) ASSERT_EQ(out.count(e), 0u) << "panels " << i << " and " << j << " overlap";
+        }
+      }
+    }
+  }
+  // The panels tile each GEMM's output: as many output elements as the plain plan's GEMMs.
+  int64_t planned = 0, staged = 0;
+  for (const PolarOp& op : polar_iteration_plan(rows, cols, bounds))
+    if (op.kind == PolarOp::Kind::kGemm) planned += op.out.rows * op.out.cols;
+  for (const std::vector<PolarOp>& stage : stages)
+    for (const PolarOp& op : stage)
+      if (op.kind == PolarOp::Kind::kGemm) staged += op.out.rows * op.out.cols;
+  EXPECT_EQ(staged, planned);
+  EXPECT_GT(gemms, 0u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, PolarStagesTest,
+                         ::testing::Combine(::testing::Values(1, 7, 13), ::testing::Values(1, 5, 21),
+                                            ::testing::Values(1, 3), ::testing::Values(1, 2, 5, 128)));
+
+TEST(PolarPlan, CpuPanelsOfLargeMatrices) {
+  // A 1024-side matrix with 8 row blocks: the Gram and Poly stages keep one
+  // panel per 128-row block, the update GEMM is cut into 8 panels.
+  const std::vector<int64_t> bounds = polar_block_bounds(1024, polar_row_blocks_cpu(1024));
+  const auto stages = polar_stages(polar_iteration_plan(1024, 1024, bounds), kPolarPanelRowsCpu);
+  std::vector<size_t> gemm_stage_sizes;
+  for (const auto& stage : stages)
+    if (stage.front().kind == PolarOp::Kind::kGemm) gemm_stage_sizes.push_back(stage.size());
+  EXPECT_EQ(gemm_stage_sizes, (std::vector<size_t>{8, 8, 8}));
+  // Panels depend on the shape only: near-equal, at most kPolarPanelRowsCpu rows.
+  const auto tall = polar_stages(polar_iteration_plan(300, 20, polar_block_bounds(20, 1)), kPolarPanelRowsCpu);
+  EXPECT_EQ(tall.back().size(), 3u);
+  EXPECT_EQ(tall.back()[0].out.rows, 100);
+}
 
 TEST(PolarPlan, PlainPlanIsTheThreeGemmsOfTheCudaKernel) {
   // The cuBLAS calls of the unblocked iteration, as derived by hand in

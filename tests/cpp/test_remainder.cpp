@@ -1,10 +1,13 @@
 // BF16 + int16 remainder split/merge (csrc/common/remainder.h) against the
-// rule in docs/design.md ("Master weights and remainders").
+// rule in docs/design.md ("Master weights and remainders"): a bijection on
+// every non-NaN pattern, and a NaN param for every NaN master.
 #include <gtest/gtest.h>
 
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <string>
@@ -61,8 +64,19 @@ std::string hex32(uint32_t x) {
 }
 
 // The rule, written from docs/design.md ("Master weights and remainders") rather
-// than from the header.
-uint16_t rule_bf16_bits(uint32_t b) { return uint16_t(((b >> 16) + ((b & 0xFFFFu) >= 0x8000u)) & 0xFFFFu); }
+// than from the header: TransformerEngine's bit rule, except that a NaN master
+// whose rule BF16 is not a NaN gets the nearest NaN high half instead.
+bool is_nan32(uint32_t b) { return (b & 0x7FFFFFFFu) > 0x7F800000u; }
+bool is_nan16(uint16_t h) { return (h & 0x7FFFu) > 0x7F80u; }
+uint16_t te_bf16_bits(uint32_t b) { return uint16_t(((b >> 16) + ((b & 0xFFFFu) >= 0x8000u)) & 0xFFFFu); }
+// NaN masters whose TransformerEngine BF16 is not a NaN: high half 0x7F80
+// without carry (BF16 inf) or 0x7FFF with carry (wraps to the other sign's zero).
+bool te_hides_nan(uint32_t b) { return is_nan32(b) && !is_nan16(te_bf16_bits(b)); }
+uint16_t rule_bf16_bits(uint32_t b) {
+  if (!te_hides_nan(b)) return te_bf16_bits(b);
+  const uint16_t sign = uint16_t((b >> 16) & 0x8000u);
+  return ((b >> 16) & 0x7FFFu) == 0x7F80u ? uint16_t(sign | 0x7F81u) : uint16_t(sign | 0x7FFFu);
+}
 int16_t rule_remainder(uint32_t b) { return int16_t(uint16_t(b & 0xFFFFu)); }
 
 // The design's reconstruction: hi = bf16 - (rem < 0), b = (hi << 16) | (uint16) rem.
@@ -71,12 +85,24 @@ uint32_t design_reconstruct(uint16_t bf16_bits, int16_t rem) {
   return (hi << 16) | uint32_t(uint16_t(rem));
 }
 
+// The split/merge round trip is the identity on every pattern but the NaNs
+// TransformerEngine's rule would hide; those come back as a NaN with the same
+// sign and low half, the high half one step into the NaN range (+0x10000 from
+// 0x7F80, -0x10000 from 0x7FFF).
 TEST(Remainder, RoundTripAllPatterns) {
-  const SweepResult r = sweep_all_patterns([](uint32_t b) {
+  std::atomic<uint64_t> moved{0};
+  const SweepResult r = sweep_all_patterns([&](uint32_t b) {
     const RemainderSplit s = split_master_bits(b);
-    return merge_master_bits(s.bf16_bits, s.remainder) == b && design_reconstruct(s.bf16_bits, s.remainder) == b;
+    const uint32_t merged = merge_master_bits(s.bf16_bits, s.remainder);
+    if (design_reconstruct(s.bf16_bits, s.remainder) != merged) return false;
+    if (!te_hides_nan(b)) return merged == b;
+    moved.fetch_add(1, std::memory_order_relaxed);
+    const uint32_t expected = ((b >> 16) & 0x7FFFu) == 0x7F80u ? b + 0x10000u : b - 0x10000u;
+    return merged == expected && is_nan32(merged) && (merged & 0x8000FFFFu) == (b & 0x8000FFFFu);
   });
   EXPECT_EQ(r.failures, 0u) << "first pattern that does not round-trip: " << hex32(r.first);
+  // Per sign: 0x7F80 with a low half in 1..0x7FFF, 0x7FFF with one in 0x8000..0xFFFF.
+  EXPECT_EQ(moved.load(), 2u * (0x7FFFu + 0x8000u));
 }
 
 TEST(Remainder, SplitFollowsRuleAllPatterns) {
@@ -87,45 +113,74 @@ TEST(Remainder, SplitFollowsRuleAllPatterns) {
   EXPECT_EQ(r.failures, 0u) << "first pattern split against the rule: " << hex32(r.first);
 }
 
+// The contract of issue #9: the BF16 param the model computes with is a NaN
+// exactly when the FP32 master is (every payload, both signs), and the float
+// API gives the same bits (no quieting or canonicalisation on the way).
+TEST(Remainder, ParamIsNanExactlyWhenMasterIsAllPatterns) {
+  const SweepResult r = sweep_all_patterns([](uint32_t b) {
+    const RemainderSplit s = split_master_bits(b);
+    const RemainderSplit sf = split_master(bits_to_float(b));
+    return is_nan16(s.bf16_bits) == is_nan32(b) && sf.bf16_bits == s.bf16_bits && sf.remainder == s.remainder;
+  });
+  EXPECT_EQ(r.failures, 0u) << "first pattern whose param hides or invents a NaN: " << hex32(r.first);
+}
+
+// Every (BF16, remainder) pair whose BF16 is a NaN merges to a NaN master, so
+// a NaN param never turns back into a number, whatever remainder is stored.
+TEST(Remainder, NanParamMergesToNanAllPairs) {
+  const SweepResult r = sweep_all_patterns([](uint32_t pair) {
+    const uint16_t bf16 = uint16_t(pair >> 16);
+    const int16_t rem = int16_t(uint16_t(pair & 0xFFFFu));
+    return !is_nan16(bf16) || (is_nan32(merge_master_bits(bf16, rem)) && std::isnan(merge_master(bf16, rem)));
+  });
+  EXPECT_EQ(r.failures, 0u) << "first (bf16 << 16 | rem) pair merging a NaN param to a number: " << hex32(r.first);
+}
+
 struct EdgeCase {
   uint32_t bits;
   uint16_t bf16_bits;
   int16_t remainder;
+  uint32_t merged;
   const char* what;
 };
 
 TEST(Remainder, EdgePatterns) {
   const EdgeCase cases[] = {
-      {0x3F808000u, 0x3F81, -32768, "tie, even hi: rounds up (RNE would keep 0x3F80)"},
-      {0x3F818000u, 0x3F82, -32768, "tie, odd hi: rounds up like RNE"},
-      {0xBF808000u, 0xBF81, -32768, "negative tie, even hi: bit pattern goes up, magnitude grows"},
-      {0x3F807FFFu, 0x3F80, 32767, "just below the tie"},
-      {0x3F808001u, 0x3F81, -32767, "just above the tie"},
-      {0x00000000u, 0x0000, 0, "+0"},
-      {0x80000000u, 0x8000, 0, "-0"},
-      {0x00000001u, 0x0000, 1, "smallest positive subnormal"},
-      {0x7F800000u, 0x7F80, 0, "+inf"},
-      {0xFF800000u, 0xFF80, 0, "-inf"},
-      {0x7FC00000u, 0x7FC0, 0, "canonical quiet NaN"},
-      {0x7F800001u, 0x7F80, 1, "signalling NaN: stored BF16 reads as +inf"},
-      {0x7FFF8000u, 0x8000, -32768, "NaN payload: BF16 -0.0 (docs/design.md example)"},
-      {0x7FFFFFFFu, 0x8000, -1, "largest +NaN pattern carries into the sign bit"},
-      {0x7F7FFFFFu, 0x7F80, -1, "max finite: carry to BF16 inf bits"},
-      {0x7F7F8000u, 0x7F80, -32768, "max-finite tie: carry to BF16 inf bits"},
-      {0xFFFF8000u, 0x0000, -32768, "hi 0xFFFF + 1 wraps to 0x0000"},
-      {0xFFFFFFFFu, 0x0000, -1, "all ones wraps to +0 bits"},
+      {0x3F808000u, 0x3F81, -32768, 0x3F808000u, "tie, even hi: rounds up (RNE would keep 0x3F80)"},
+      {0x3F818000u, 0x3F82, -32768, 0x3F818000u, "tie, odd hi: rounds up like RNE"},
+      {0xBF808000u, 0xBF81, -32768, 0xBF808000u, "negative tie, even hi: bit pattern goes up, magnitude grows"},
+      {0x3F807FFFu, 0x3F80, 32767, 0x3F807FFFu, "just below the tie"},
+      {0x3F808001u, 0x3F81, -32767, 0x3F808001u, "just above the tie"},
+      {0x00000000u, 0x0000, 0, 0x00000000u, "+0"},
+      {0x80000000u, 0x8000, 0, 0x80000000u, "-0"},
+      {0x00000001u, 0x0000, 1, 0x00000001u, "smallest positive subnormal"},
+      {0x7F800000u, 0x7F80, 0, 0x7F800000u, "+inf"},
+      {0xFF800000u, 0xFF80, 0, 0xFF800000u, "-inf"},
+      {0x7F7FFFFFu, 0x7F80, -1, 0x7F7FFFFFu, "max finite: carry to BF16 inf bits (a number, not hidden)"},
+      {0x7F7F8000u, 0x7F80, -32768, 0x7F7F8000u, "max-finite tie: carry to BF16 inf bits"},
+      {0x7FC00000u, 0x7FC0, 0, 0x7FC00000u, "canonical quiet NaN"},
+      {0xFFC00000u, 0xFFC0, 0, 0xFFC00000u, "x86 default NaN"},
+      {0x7FBFFFFFu, 0x7FC0, -1, 0x7FBFFFFFu, "NaN carrying inside the NaN range: exact"},
+      {0x7F808000u, 0x7F81, -32768, 0x7F808000u, "NaN with high half 0x7F80 and a carry: exact"},
+      {0x7F800001u, 0x7F81, 1, 0x7F810001u, "signalling NaN: TE's BF16 would be +inf; high half raised"},
+      {0xFF807FFFu, 0xFF81, 32767, 0xFF817FFFu, "negative NaN: TE's BF16 would be -inf"},
+      {0x7FFF8000u, 0x7FFF, -32768, 0x7FFE8000u, "NaN: TE's carry would wrap to -0.0 (docs/design.md example)"},
+      {0x7FFFFFFFu, 0x7FFF, -1, 0x7FFEFFFFu, "CUDA's canonical NaN: TE's carry would wrap to -0.0"},
+      {0x7FFF7FFFu, 0x7FFF, 32767, 0x7FFF7FFFu, "largest NaN without a carry: exact"},
+      {0xFFFF8000u, 0xFFFF, -32768, 0xFFFE8000u, "negative NaN: TE's carry would wrap to +0"},
+      {0xFFFFFFFFu, 0xFFFF, -1, 0xFFFEFFFFu, "all ones: TE's carry would wrap to +0"},
   };
   for (const EdgeCase& c : cases) {
     SCOPED_TRACE(std::string(c.what) + " " + hex32(c.bits));
     const RemainderSplit s = split_master_bits(c.bits);
     EXPECT_EQ(s.bf16_bits, c.bf16_bits);
     EXPECT_EQ(s.remainder, c.remainder);
-    EXPECT_EQ(merge_master_bits(s.bf16_bits, s.remainder), c.bits);
+    EXPECT_EQ(merge_master_bits(s.bf16_bits, s.remainder), c.merged);
     // The float-typed API must not quieten or canonicalise NaN patterns.
     const RemainderSplit sf = split_master(bits_to_float(c.bits));
     EXPECT_EQ(sf.bf16_bits, c.bf16_bits);
     EXPECT_EQ(sf.remainder, c.remainder);
-    EXPECT_EQ(float_to_bits(merge_master(sf.bf16_bits, sf.remainder)), c.bits);
+    EXPECT_EQ(float_to_bits(merge_master(sf.bf16_bits, sf.remainder)), c.merged);
   }
 }
 

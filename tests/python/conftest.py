@@ -1,7 +1,26 @@
-"""Shared pytest configuration: GPU tests are skipped on machines without CUDA."""
+"""Shared pytest configuration: GPU tests are skipped on machines without CUDA;
+hypothesis profiles for the property tests (test_properties.py)."""
+
+import os
 
 import pytest
 import torch
+
+try:
+    from hypothesis import HealthCheck, settings
+except ImportError:  # only test_properties.py needs it; it fails at its own import
+    settings = None
+
+if settings is not None:
+    # "ci" (default): a fixed set of examples (derandomize), so every CI run
+    # tests the same cases and a failure reproduces; sized for a 2-core runner.
+    # HYPOTHESIS_PROFILE=thorough: new random examples on every run, many more.
+    # No example database: it would write .hypothesis/ into the working tree;
+    # print_blob gives the @reproduce_failure line instead.
+    _common = dict(deadline=None, database=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow])
+    settings.register_profile("ci", max_examples=25, derandomize=True, **_common)
+    settings.register_profile("thorough", max_examples=500, **_common)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
 def pytest_collection_modifyitems(config, items):
