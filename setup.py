@@ -27,7 +27,21 @@ CSRC = ROOT / "csrc"
 BUILD_FLAGS = json.loads((CSRC / "build_flags.json").read_text())
 CXX_STD = f"-std=c++{BUILD_FLAGS['cxx_standard']}"
 
-CXX_FLAGS = ["-O3", CXX_STD] + BUILD_FLAGS["cxx_flags"]
+
+
+def _torch_parallel_backend_is_openmp() -> bool:
+    """torch's own build setting (ATen/Config.h), not a guess from the platform."""
+    config = Path(torch.__file__).resolve().parent / "include" / "ATen" / "Config.h"
+    return "#define AT_PARALLEL_OPENMP 1" in config.read_text()
+
+
+# at::parallel_for is inlined into our code: it runs threads only where it is
+# compiled with the OpenMP flags torch was built with (build_flags.json).
+OPENMP = BUILD_FLAGS["openmp"] if _torch_parallel_backend_is_openmp() and sys.platform != "darwin" else None
+OPENMP_CXX_FLAGS = OPENMP["cxx_flags"] if OPENMP else []
+OPENMP_LINK_FLAGS = OPENMP["link_flags"] if OPENMP else []
+
+CXX_FLAGS = ["-O3", CXX_STD] + BUILD_FLAGS["cxx_flags"] + OPENMP_CXX_FLAGS
 # --fmad=false keeps the GPU element math bit-identical to the CPU's.
 NVCC_FLAGS = ["-O3", CXX_STD, "--fmad=false", "--expt-relaxed-constexpr"]
 
@@ -100,6 +114,7 @@ def _write_build_info(with_cuda: bool):
         f"WITH_CUDA = {with_cuda!r}\n"
         f"CUDA_ARCH_LIST = {os.environ.get('TORCH_CUDA_ARCH_LIST', '') if with_cuda else ''!r}\n"
         f"CPU_ISA_VARIANTS = {tuple(isa for isa, _ in _isa_variants())!r}\n"
+        f"OPENMP = {OPENMP is not None!r}\n"
     )
 
 
@@ -112,7 +127,7 @@ def _extension():
 
     macros = [f"-DMUON_EXT_HAVE_{isa}" for isa, _ in _isa_variants() if isa != "DEFAULT"]
     sources = ["csrc/bindings.cpp", "csrc/ops.cpp", "csrc/checks.cpp", "csrc/cpu/adamw_cpu.cpp", "csrc/cpu/muon_cpu.cpp",
-               "csrc/cpu/remainder_cpu.cpp"]
+               "csrc/cpu/remainder_cpu.cpp", "csrc/cpu/parallel_probe.cpp"]
     include_dirs = [str(CSRC)]
     cxx_flags = CXX_FLAGS + macros
     if with_cuda:
@@ -125,9 +140,11 @@ def _extension():
             sources,
             include_dirs=include_dirs,
             extra_compile_args={"cxx": cxx_flags, "nvcc": NVCC_FLAGS + ["-DMUON_EXT_WITH_CUDA"]},
+            extra_link_args=OPENMP_LINK_FLAGS,
         )
     return cpp_extension.CppExtension(
-        "muon_ext._C", sources, include_dirs=include_dirs, extra_compile_args={"cxx": cxx_flags}
+        "muon_ext._C", sources, include_dirs=include_dirs, extra_compile_args={"cxx": cxx_flags},
+        extra_link_args=OPENMP_LINK_FLAGS,
     )
 
 

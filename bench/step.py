@@ -50,9 +50,9 @@ def make_params(shapes, device, dtype, seed):
     return params
 
 
-def build_ours(sets, device, dtype, compiled=False):
+def build_ours(sets, device, dtype, compiled=False, polar_dtype="bfloat16"):
     hidden, other = make_params(sets["hidden"], device, dtype, 0), make_params(sets["other"], device, dtype, 1)
-    opt = MuonAdamW([{"params": hidden, "kind": "muon", "lr": MUON_LR, "weight_decay": WD},
+    opt = MuonAdamW([{"params": hidden, "kind": "muon", "lr": MUON_LR, "weight_decay": WD, "polar_dtype": polar_dtype},
                      {"params": other, "kind": "adamw", "lr": ADAMW_LR, "weight_decay": WD}])
     if compiled:
         # The kernels are torch.library ops, so they become graph nodes; the
@@ -154,8 +154,10 @@ def main():
                          "torch: torch.optim.Muon (hidden) + torch.optim.AdamW(fused=True) (rest)",
                          "bytes per param: params + optimizer state, from the tensors, after warmup",
                          "speedup_of_ours_bf16_remainder: peer seconds / ours seconds (> 1: ours is faster)",
-                         "on CPU ours orthogonalizes in FP32 (docs/design.md, \"CPU kernels\"); "
-                         "the seed and torch.optim.Muon use BF16 GEMMs"]}
+                         "ours orthogonalizes with BF16 operands (polar_dtype='bfloat16', the default; on CPU "
+                         "muon_ext.ops.cpu_bf16_gemm() says whether natively or as FP32 GEMMs on BF16 values); "
+                         "*_fp32_polar: polar_dtype='float32'. The seed and torch.optim.Muon use BF16 GEMMs"],
+               "cpu_bf16_gemm": __import__("muon_ext").ops.cpu_bf16_gemm()}
     if seed is None:
         results["notes"].append("../shared absent: seed peer skipped")
     for set_name, sets in param_sets(device).items():
@@ -164,6 +166,8 @@ def main():
             "ours_bf16_remainder": lambda: build_ours(sets, device, torch.bfloat16),
             "ours_bf16_remainder_compiled": lambda: build_ours(sets, device, torch.bfloat16, compiled=True),
             "ours_fp32": lambda: build_ours(sets, device, torch.float32),
+            **({} if on_gpu else {"ours_bf16_remainder_fp32_polar":
+                                  lambda: build_ours(sets, device, torch.bfloat16, polar_dtype="float32")}),
             "torch_muon_adamw_fused_fp32": lambda: build_torch(sets, device, torch.float32),
             "torch_muon_adamw_fused_bf16": lambda: build_torch(sets, device, torch.bfloat16),
         }

@@ -17,6 +17,8 @@
 #include "common/muon_math.h"
 #include "common/schema.h"
 #include "cpu/adamw_cpu.h"
+#include "cpu/muon_cpu.h"
+#include "cpu/parallel_probe.h"
 
 namespace muon_ext {
 namespace {
@@ -345,11 +347,12 @@ void muon_step_eager(const Tensors& params, const Tensors& grads, const Tensors&
                      const OptionalTensor& lr_tensor, double momentum, bool nesterov, std::optional<double> beta2,
                      double weight_decay, int64_t ns_steps, const std::vector<double>& ns_coefficients,
                      const std::string& lr_scale, const OptionalTensor& inv_scale, const OptionalTensor& found_inf,
-                     int64_t max_workspace_bytes, std::optional<int64_t> polar_row_blocks) {
+                     int64_t max_workspace_bytes, std::optional<int64_t> polar_row_blocks,
+                     const std::string& polar_dtype) {
   RECORD_FUNCTION("muon_ext::muon_step", std::vector<c10::IValue>());
   op::muon_step(params, grads, momentum_buffers, second_momentum_buffers, masters, lr, lr_tensor, momentum, nesterov,
                 beta2, weight_decay, ns_steps, ns_coefficients, lr_scale, inv_scale, found_inf, max_workspace_bytes,
-                polar_row_blocks);
+                polar_row_blocks, polar_dtype);
 }
 
 }  // namespace
@@ -366,7 +369,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("second_momentum_buffers"), py::arg("masters"), py::kw_only(), py::arg("lr"), py::arg("lr_tensor"),
         py::arg("momentum"), py::arg("nesterov"), py::arg("beta2"), py::arg("weight_decay"), py::arg("ns_steps"),
         py::arg("ns_coefficients"), py::arg("lr_scale"), py::arg("inv_scale"), py::arg("found_inf"),
-        py::arg("max_workspace_bytes"), py::arg("polar_row_blocks"),
+        py::arg("max_workspace_bytes"), py::arg("polar_row_blocks"), py::arg("polar_dtype"),
         "torch.ops.muon_ext.muon_step for plain eager tensors (see csrc/ops.h).");
   m.def("polar_express_coefficients", &muon_ext::polar_express_coefficients,
         "The default Polar-Express (a, b, c) tuples, one per iteration.");
@@ -382,6 +385,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("storage_problem", &muon_ext::checks::storage_problem, py::arg("tensor"),
         "What is wrong with a tensor's storage for its view, or '' when it holds every element.");
   m.def("cpu_capabilities", &muon_ext::cpu_capabilities, "Instruction sets of the CPU kernels usable here, best last.");
+  m.def(
+      "cpu_bf16_gemm",
+      [] { return muon_ext::cpu::polar_bf16_gemm() == muon_ext::cpu::PolarGemm::kNativeBf16 ? "native" : "rounded"; },
+      "How BF16 Polar-Express GEMMs run on this CPU (see muon_ext.ops.cpu_bf16_gemm).");
+  m.def("threads_used_by_parallel_for", &muon_ext::cpu::threads_used_by_parallel_for, py::arg("items"),
+        py::arg("grain"), py::call_guard<py::gil_scoped_release>(),
+        "Test hook: how many distinct threads at::parallel_for, as compiled into the kernels, runs on.");
 #if defined(MUON_EXT_WITH_CUDA)
   m.attr("with_cuda") = true;
 #else

@@ -23,6 +23,12 @@
 
 namespace muon_ext {
 
+// Operand precision of the Polar-Express GEMMs (docs/design.md, "Rounding
+// contract"). kBFloat16: operands BF16, FP32 accumulation, each GEMM's output
+// (A, B and X) rounded to BF16 once, on every device. kFloat32: FP32 GEMMs
+// (on CUDA without TF32 unless torch allows it).
+enum class PolarDtype { kBFloat16, kFloat32 };
+
 struct MuonBucket {
   // params[i] has shape [..., rows, cols] (leading dims index matrices) and is
   // contiguous; grads[i] and momentum_buffers[i] (FP32) have its shape;
@@ -50,6 +56,7 @@ struct MuonStepOptions {
   c10::optional<at::Tensor> found_inf;             // nonzero: the step is a no-op
   int64_t max_workspace_bytes = int64_t(1) << 30;  // scratch bound per chunk of matrices
   int64_t polar_row_blocks = 0;  // row blocks of the symmetric Polar-Express products; 0: the device's choice
+  PolarDtype polar_dtype = PolarDtype::kBFloat16;
 };
 
 // Phase 1.  grads[i] (FP32/BF16/FP16, one dtype), momentum_buffers[i] and
@@ -67,9 +74,8 @@ struct MuonMomentumArgs {
 
 // Phase 2.  updates[i] are FP32 [..., rows, cols] (whole matrices), contiguous,
 // one device; second_momentum_buffers as in MuonBucket (empty: NorMuon off).
-// Per matrix: X = u / (||u||_F * 1.02 + 1e-6), Polar-Express (FP32 GEMMs on the
-// CPU; BF16 operands, FP32 accumulation on CUDA, X rounded to BF16 as in the
-// fused step), then NorMuon (second moment updated) and
+// Per matrix: X = u / (||u||_F * 1.02 + 1e-6), Polar-Express in `polar_dtype`
+// as in the fused step, then NorMuon (second moment updated) and
 //   updates = X * multiplier   (1 without NorMuon; exact then)
 // On CUDA the bits equal the fused step's when phase 2 sees the same matrices
 // in the same order with the same max_workspace_bytes (same cuBLAS batches).
@@ -81,6 +87,7 @@ struct MuonOrthogonalizeArgs {
   std::vector<std::array<float, 3>> coefficients;
   int64_t max_workspace_bytes = int64_t(1) << 30;
   int64_t polar_row_blocks = 0;
+  PolarDtype polar_dtype = PolarDtype::kBFloat16;
   c10::optional<at::Tensor> found_inf;
 
   int64_t matrix_numel() const { return rows * cols; }

@@ -185,6 +185,20 @@ MuonLrScale parse_lr_scale(const char* op, c10::string_view mode) {
   return MuonLrScale::kNone;
 }
 
+PolarDtype parse_polar_dtype(const char* op, c10::string_view mode) {
+  const std::string value(mode);
+  const int index = schema::find_mode("polar_dtype", value.c_str());
+  TORCH_CHECK_VALUE(index >= 0, op, ": polar_dtype must be 'bfloat16' or 'float32', got '", value, "'");
+  return value == "float32" ? PolarDtype::kFloat32 : PolarDtype::kBFloat16;
+}
+
+// FP32 Polar-Express GEMMs exist on the CPU only so far (docs/design.md,
+// "Rounding contract"); refused before anything is written.
+void check_polar_dtype_supported(const char* op, Backend backend, PolarDtype dtype) {
+  TORCH_CHECK_NOT_IMPLEMENTED(backend != Backend::kCuda || dtype == PolarDtype::kBFloat16, op,
+                              ": polar_dtype='float32' is not implemented on CUDA yet; use 'bfloat16'");
+}
+
 // The first ns_steps (a, b, c) triples of a flat list of coefficients.
 std::vector<std::array<float, 3>> check_coefficients(const char* op, at::ArrayRef<double> flat, int64_t ns_steps) {
   checks::in_range(op, "muon", "ns_steps", static_cast<double>(ns_steps));
@@ -296,7 +310,8 @@ void muon_step(at::TensorList params, at::TensorList grads, at::TensorList momen
                const OptionalTensor& lr_tensor, double momentum, bool nesterov, std::optional<double> beta2,
                double weight_decay, int64_t ns_steps, at::ArrayRef<double> ns_coefficients,
                c10::string_view lr_scale, const OptionalTensor& inv_scale, const OptionalTensor& found_inf,
-               int64_t max_workspace_bytes, std::optional<int64_t> polar_row_blocks) {
+               int64_t max_workspace_bytes, std::optional<int64_t> polar_row_blocks,
+               c10::string_view polar_dtype) {
   checks::in_range(kMuon, "muon", "lr", lr);
   checks::in_range(kMuon, "muon", "momentum", momentum);
   check_beta2(kMuon, beta2);
@@ -304,6 +319,7 @@ void muon_step(at::TensorList params, at::TensorList grads, at::TensorList momen
   checks::in_range(kMuon, "optimizer", "max_workspace_bytes", static_cast<double>(max_workspace_bytes));
   MuonStepOptions options;
   options.polar_row_blocks = check_row_blocks(kMuon, polar_row_blocks);
+  options.polar_dtype = parse_polar_dtype(kMuon, polar_dtype);
   const MuonLrScale scale_mode = parse_lr_scale(kMuon, lr_scale);
   options.coefficients = check_coefficients(kMuon, ns_coefficients, ns_steps);
   options.hyper.momentum = static_cast<float>(momentum);
@@ -325,6 +341,7 @@ void muon_step(at::TensorList params, at::TensorList grads, at::TensorList momen
   bucket.masters = to_vector(masters);
   check_muon_bucket(bucket, options);
   const Backend backend = backend_of(bucket.params);
+  check_polar_dtype_supported(kMuon, backend, options.polar_dtype);
   if (backend == Backend::kNone) return;
   options.lr_factor = static_cast<float>(muon_lr_factor(scale_mode, bucket.rows, bucket.cols));
 
@@ -398,11 +415,13 @@ void muon_momentum_op(at::TensorList grads, at::TensorList momentum_buffers, at:
 // Phase 2: whole matrices.
 void muon_orthogonalize_op(at::TensorList updates, at::TensorList second_momentum_buffers, std::optional<double> beta2,
                         int64_t ns_steps, at::ArrayRef<double> ns_coefficients, int64_t max_workspace_bytes,
-                        std::optional<int64_t> polar_row_blocks, const OptionalTensor& found_inf) {
+                        std::optional<int64_t> polar_row_blocks, c10::string_view polar_dtype,
+                        const OptionalTensor& found_inf) {
   check_beta2(kOrthogonalize, beta2);
   checks::in_range(kOrthogonalize, "optimizer", "max_workspace_bytes", static_cast<double>(max_workspace_bytes));
   MuonOrthogonalizeArgs args;
   args.polar_row_blocks = check_row_blocks(kOrthogonalize, polar_row_blocks);
+  args.polar_dtype = parse_polar_dtype(kOrthogonalize, polar_dtype);
   args.coefficients = check_coefficients(kOrthogonalize, ns_coefficients, ns_steps);
   args.updates = to_vector(updates);
   args.second_momentum_buffers = to_vector(second_momentum_buffers);
@@ -421,6 +440,7 @@ void muon_orthogonalize_op(at::TensorList updates, at::TensorList second_momentu
   check_second_moments(kOrthogonalize, args.second_momentum_buffers, args.updates, "updates", args.normuon, args.rows,
                        args.cols);
   checks::scalar_tensor(kOrthogonalize, found_inf, "found_inf", device);
+  check_polar_dtype_supported(kOrthogonalize, backend_of(args.updates), args.polar_dtype);
 
   switch (backend_of(args.updates)) {
     case Backend::kNone: return;
@@ -541,13 +561,13 @@ TORCH_LIBRARY(muon_ext, m) {
       "muon_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, "
       "Tensor(c!)[] second_momentum_buffers, Tensor(d!)[] masters, *, float lr, Tensor? lr_tensor, float momentum, "
       "bool nesterov, float? beta2, float weight_decay, int ns_steps, float[] ns_coefficients, str lr_scale, "
-      "Tensor? inv_scale, Tensor? found_inf, int max_workspace_bytes, int? polar_row_blocks) -> ()");
+      "Tensor? inv_scale, Tensor? found_inf, int max_workspace_bytes, int? polar_row_blocks, str polar_dtype) -> ()");
   m.def(
       "muon_momentum(Tensor[] grads, Tensor(a!)[] momentum_buffers, Tensor(b!)[] updates, *, float momentum, "
       "bool nesterov, Tensor? inv_scale, Tensor? found_inf) -> ()");
   m.def(
       "muon_orthogonalize(Tensor(a!)[] updates, Tensor(b!)[] second_momentum_buffers, *, float? beta2, "
-      "int ns_steps, float[] ns_coefficients, int max_workspace_bytes, int? polar_row_blocks, "
+      "int ns_steps, float[] ns_coefficients, int max_workspace_bytes, int? polar_row_blocks, str polar_dtype, "
       "Tensor? found_inf) -> ()");
   m.def(
       "muon_apply(Tensor(a!)[] params, Tensor[] updates, Tensor(b!)[] masters, *, float lr, Tensor? lr_tensor, "

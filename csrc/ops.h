@@ -24,7 +24,8 @@ void muon_step(at::TensorList params, at::TensorList grads, at::TensorList momen
                std::optional<double> beta2, double weight_decay, int64_t ns_steps,
                at::ArrayRef<double> ns_coefficients, c10::string_view lr_scale,
                const std::optional<at::Tensor>& inv_scale, const std::optional<at::Tensor>& found_inf,
-               int64_t max_workspace_bytes, std::optional<int64_t> polar_row_blocks);
+               int64_t max_workspace_bytes, std::optional<int64_t> polar_row_blocks,
+               c10::string_view polar_dtype);
 
 }  // namespace op
 }  // namespace muon_ext

@@ -26,6 +26,7 @@ __all__ = [
     "merge_master",
     "cpu_capabilities",
     "storage_problem",
+    "cpu_bf16_gemm",
     "POLAR_EXPRESS_COEFFICIENTS",
 ]
 
@@ -106,6 +107,7 @@ def muon_step(
     found_inf: Optional[torch.Tensor] = None,
     max_workspace_bytes: int = DEFAULT_MAX_WORKSPACE_BYTES,
     polar_row_blocks: Optional[int] = None,
+    polar_dtype: str = "bfloat16",
 ) -> None:
     """One Muon step on a bucket of same-shape matrices, in place.
 
@@ -115,14 +117,17 @@ def muon_step(
     else [..., 1, cols], and must be empty when `beta2` is None (NorMuon off).
     `masters` select the master mode as in `adamw_step`. The update is
     momentum (Nesterov), Polar-Express orthogonalization with `ns_steps` of the
-    (a, b, c) tuples (BF16 GEMMs on CUDA, FP32 on CPU), NorMuon, lr scaling by
+    (a, b, c) tuples, NorMuon, lr scaling by
     `lr_scale` ("original", "match_rms_adamw", "none") and cautious weight
     decay on the FP32 master; see docs/design.md, "Muon in three phases". Matrices are processed in chunks
     whose scratch stays under `max_workspace_bytes` (at least one matrix).
     `polar_row_blocks` (1..64) splits the symmetric products X X^T and A A into
     that many row blocks and multiplies only the upper block triangle (1: plain
     GEMMs); None takes the device's choice (CPU: side / 128, clamped to 1..8;
-    CUDA: 1). It changes rounding only, never the math.
+    CUDA: 1). It changes rounding only, never the math. `polar_dtype`:
+    "bfloat16" (BF16 GEMM operands, FP32 accumulation, each GEMM output rounded
+    to BF16, on every device; see `cpu_bf16_gemm()`) or "float32" (FP32 GEMMs;
+    CPU only so far: refused on CUDA).
     `inv_scale` / `found_inf` behave as in `adamw_step`; on CUDA the call never
     syncs the host. Raises (TypeError / ValueError) before touching anything.
     """
@@ -138,7 +143,7 @@ def muon_step(
             beta2=None if beta2 is None else float(beta2), weight_decay=float(weight_decay), ns_steps=int(ns_steps),
             ns_coefficients=_flat_coefficients("muon_step", ns_coefficients, ns_steps), lr_scale=str(lr_scale),
             inv_scale=inv_scale, found_inf=found_inf, max_workspace_bytes=int(max_workspace_bytes),
-            polar_row_blocks=_optional_int(polar_row_blocks, "polar_row_blocks"),
+            polar_row_blocks=_optional_int(polar_row_blocks, "polar_row_blocks"), polar_dtype=str(polar_dtype),
         )
     except (TypeError, RuntimeError):  # how pybind / the dispatcher refuse an argument they cannot convert
         _raise_for_bad_entry("muon_step", lists, inv_scale=inv_scale, found_inf=found_inf)
@@ -180,11 +185,12 @@ def muon_orthogonalize(
     ns_coefficients: Optional[Sequence[Sequence[float]]] = None,
     max_workspace_bytes: int = DEFAULT_MAX_WORKSPACE_BYTES,
     polar_row_blocks: Optional[int] = None,
+    polar_dtype: str = "bfloat16",
     found_inf: Optional[torch.Tensor] = None,
 ) -> None:
     """Muon phase 2, on whole matrices: each FP32 `updates[i]` ([..., rows, cols],
     one (rows, cols) per call) is scaled by its input norm, orthogonalized by
-    Polar-Express (as in `muon_step`: FP32 GEMMs on CPU, BF16 operands on CUDA)
+    Polar-Express (as in `muon_step`, in `polar_dtype`)
     and multiplied by its NorMuon multipliers (updating `second_momentum_buffers`,
     shaped as in `muon_step`; empty when `beta2` is None), in place.
     """
@@ -197,7 +203,8 @@ def muon_orthogonalize(
             *lists.values(), beta2=None if beta2 is None else float(beta2), ns_steps=int(ns_steps),
             ns_coefficients=_flat_coefficients("muon_orthogonalize", ns_coefficients, ns_steps),
             max_workspace_bytes=int(max_workspace_bytes),
-            polar_row_blocks=_optional_int(polar_row_blocks, "polar_row_blocks"), found_inf=found_inf,
+            polar_row_blocks=_optional_int(polar_row_blocks, "polar_row_blocks"), polar_dtype=str(polar_dtype),
+            found_inf=found_inf,
         )
     except (TypeError, RuntimeError):  # how pybind / the dispatcher refuse an argument they cannot convert
         _raise_for_bad_entry("muon_orthogonalize", lists, found_inf=found_inf)
@@ -317,6 +324,15 @@ def _raise_for_bad_entry(op: str, lists: dict, **optional) -> None:
     for name, value in optional.items():
         if value is not None and not isinstance(value, torch.Tensor):
             raise TypeError(f"{op}: {name} must be a tensor or None, got {type(value).__name__}") from None
+
+
+def cpu_bf16_gemm() -> str:
+    """How `polar_dtype="bfloat16"` multiplies on this CPU, decided once per
+    process: "native" (the CPU has a BF16 GEMM, AVX-512 BF16 or AMX: oneDNN on
+    BF16 buffers) or "rounded" (FP32 GEMMs on BF16 values, each output rounded
+    to BF16: the same rounding points). MUON_EXT_CPU_BF16_GEMM=native|rounded
+    forces one."""
+    return _C.cpu_bf16_gemm()
 
 
 def storage_problem(t: torch.Tensor) -> str:

@@ -242,7 +242,7 @@ def muon_step(
     lr_scale: str = "original",
     inv_scale: Optional[torch.Tensor] = None,
     found_inf: Optional[torch.Tensor] = None,
-    bf16_polar: bool = False,
+    polar_dtype: str = "bfloat16",
 ) -> None:
     """Reference for `muon_ext.ops.muon_step` (same arguments, same in-place effect).
 
@@ -253,7 +253,8 @@ def muon_step(
         vm = mean(X^2 over the reduced dim); smb = lerp(smb, vm, 1 - beta2)
         s = 1 / sqrt(max(smb, 1e-10)); X *= s * sqrt(sum(vm) red) / max(sqrt(sum(vm red s^2)), 1e-10)
       p -= lr' X + lr' wd p [X p >= 0]      (p: the FP32 master, lr' = lr * factor)
-    `bf16_polar` selects the CUDA rounding of the Polar-Express GEMMs.
+    `polar_dtype` "bfloat16" rounds every Polar-Express GEMM's operands and
+    output to BF16 (FP32 accumulation), "float32" keeps them FP32.
     """
     if found_inf is not None and float(found_inf) != 0.0:
         return
@@ -272,7 +273,9 @@ def muon_step(
         u = _lerp(g, m, mu) if nesterov else m.clone()
         sum_sq = (u.double() ** 2).sum(dim=(-2, -1), keepdim=True).float()
         x = u * (_f32(1.0) / (_sqrt(sum_sq) * _f32(1.02) + _f32(1e-6)))
-        x = polar_express(x, coefficients[:ns_steps], bf16=bf16_polar)
+        if polar_dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"unknown polar_dtype {polar_dtype!r}")
+        x = polar_express(x, coefficients[:ns_steps], bf16=polar_dtype == "bfloat16")
         if beta2 is not None:
             x = x * _normuon_multipliers(x, second_momentum_buffers[i], beta2)
         master = _load_master(p, masters[i] if masters else None).reshape(-1, rows, cols)

@@ -11,13 +11,20 @@
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/Utils.h>
 
 #include <algorithm>
 #include <array>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 #include <type_traits>
 #include <vector>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "../common/bits.h"
 #include "../common/polar_plan.h"
@@ -121,22 +128,32 @@ void momentum_and_scale(const MuonBucket& b, const MuonStepOptions& o, const std
 // so a torch with another BLAS still loads this library (and runs unguarded).
 extern "C" int MKL_Set_Num_Threads_Local(int) __attribute__((weak));
 
-// While alive, BLAS calls from this thread run on this thread alone. MKL's
+// While alive, GEMMs called from this thread run on this thread alone. MKL's
 // threaded GEMM splits the work by its thread count, and the split changes
-// the bits (with beta != 0 at 2 threads, even with beta = 0 at 4); single-
-// threaded calls on fixed panels make the bits independent of the thread
-// count (docs/design.md, "Rounding contract"). On exit the thread follows
-// MKL's global setting again (torch sets only that one).
+// the bits (with beta != 0 at 2 threads, even with beta = 0 at 4); oneDNN
+// (BF16 GEMMs) threads over OpenMP. Single-threaded calls on fixed panels
+// make the bits independent of the thread count (docs/design.md, "Rounding
+// contract"). On exit the thread's settings are restored.
 class SequentialBlas {
  public:
   SequentialBlas() {
     if (MKL_Set_Num_Threads_Local != nullptr) MKL_Set_Num_Threads_Local(1);
+#ifdef _OPENMP
+    omp_threads_ = omp_get_max_threads();
+    omp_set_num_threads(1);
+#endif
   }
   ~SequentialBlas() {
     if (MKL_Set_Num_Threads_Local != nullptr) MKL_Set_Num_Threads_Local(0);
+#ifdef _OPENMP
+    omp_set_num_threads(omp_threads_);
+#endif
   }
   SequentialBlas(const SequentialBlas&) = delete;
   SequentialBlas& operator=(const SequentialBlas&) = delete;
+
+ private:
+  int omp_threads_ = 1;
 };
 
 // Runs fn(task) for every task in [0, n) on the intra-op threads, handed out
@@ -169,25 +186,83 @@ void mirror_upper_blocks(const at::Tensor& slot, int64_t side, const std::vector
   }
 }
 
-// Floats per 64 bytes: every Polar-Express buffer starts on a 64-byte boundary.
-// The GEMM library picks its code path (and so its rounding) by the operands'
-// alignment, so a buffer at an arbitrary offset (a matrix inside a bucket, a
-// user's update tensor) would change the bits (docs/design.md, "CPU kernels").
-constexpr int64_t kAlignFloats = 16;
+// Every Polar-Express buffer starts on a 64-byte boundary. The GEMM library
+// picks its code path (and so its rounding) by the operands' alignment, so a
+// buffer at an arbitrary offset (a matrix inside a bucket, a user's update
+// tensor) would change the bits (docs/design.md, "CPU kernels").
+constexpr int64_t kAlignBytes = 64;
 
-int64_t align_up(int64_t n) { return (n + kAlignFloats - 1) / kAlignFloats * kAlignFloats; }
+int64_t align_up(int64_t n, int64_t element_size) {
+  const int64_t per_line = kAlignBytes / element_size;
+  return (n + per_line - 1) / per_line * per_line;
+}
 
-// Polar-Express iterations, FP32, executing csrc/common/polar_plan.h's stages;
-// the result lands in `x` ([count, rows, cols]). Every GEMM is a fixed row
+// Rounds the FP32 values of a row-major view to BF16 (nearest even) in place:
+// the output rounding of a BF16 GEMM, applied after an FP32 GEMM of BF16 values.
+void round_to_bf16(const at::Tensor& view) {
+  TORCH_INTERNAL_ASSERT(view.dim() == 2 && view.stride(1) == 1);
+  float* base = view.data_ptr<float>();
+  const int64_t rows = view.size(0), cols = view.size(1), ld = view.stride(0);
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = base + r * ld;
+    for (int64_t c = 0; c < cols; ++c) row[c] = bf16_bits_to_float(float_to_bf16_bits_rne(row[c]));
+  }
+}
+
+}  // namespace
+
+PolarGemm polar_bf16_gemm() {
+  static const PolarGemm chosen = [] {
+    const char* forced = std::getenv("MUON_EXT_CPU_BF16_GEMM");
+    if (forced != nullptr && std::string(forced) == "native") return PolarGemm::kNativeBf16;
+    if (forced != nullptr && std::string(forced) == "rounded") return PolarGemm::kRoundedFp32;
+    TORCH_CHECK(forced == nullptr || *forced == '\0', "MUON_EXT_CPU_BF16_GEMM must be 'native' or 'rounded', got '",
+                forced, "'");
+    const auto caps = at::cpu::get_cpu_capabilities();
+    auto has = [&](const char* key) {
+      const auto it = caps.find(key);
+      return it != caps.end() && it->second.isBool() && it->second.toBool();
+    };
+    return has("avx512_bf16") || has("amx_bf16") ? PolarGemm::kNativeBf16 : PolarGemm::kRoundedFp32;
+  }();
+  return chosen;
+}
+
+namespace {
+
+// Polar-Express iterations executing csrc/common/polar_plan.h's stages; the
+// result lands in `x` ([count, rows, cols], FP32). Every GEMM is a fixed row
 // panel computed by one single-threaded BLAS call on 64-byte aligned buffers
 // (X is copied into the aligned scratch and back), so each matrix gets the
 // same bits for any thread count, any address, alone, batched or in any chunk.
 // Threads share the panels of up to `group` matrices at a time, each with its
 // own scratch (group <= threads, and within `max_scratch_bytes` beyond one).
+//
+// Precision (docs/design.md, "Rounding contract"): kFloat32 runs FP32 GEMMs.
+// kBFloat16 follows the CUDA path's rounding: X enters as BF16, every GEMM
+// takes BF16 operands, accumulates in FP32 and rounds its output to BF16 once.
+// With a BF16 GEMM in the CPU (polar_bf16_gemm() == kNativeBf16) the buffers
+// are BF16 and oneDNN multiplies them; otherwise the buffers are FP32 holding
+// BF16 values, the GEMM is FP32 (products of BF16 values are exact in FP32)
+// and its output is rounded after it: the same rounding points, another
+// accumulation order, and never the slow emulated BF16 GEMM.
 void polar_express(at::Tensor& x, const std::vector<std::array<float, 3>>& coefficients, int64_t rows,
-                   int64_t cols, int64_t row_blocks, int64_t max_scratch_bytes) {
+                   int64_t cols, int64_t row_blocks, int64_t max_scratch_bytes, PolarDtype precision) {
   const int64_t count = x.size(0);
-  if (coefficients.empty() || count == 0) return;
+  const bool bf16 = precision == PolarDtype::kBFloat16;
+  if (count == 0) return;
+  if (coefficients.empty()) {
+    // X still enters in BF16, as on CUDA (the workspace there is BF16).
+    if (!bf16) return;
+    float* xs = x.data_ptr<float>();
+    const int64_t n = rows * cols;
+    for_each_matrix_range(count, n, [&](int64_t j, int64_t begin, int64_t end) {
+      for (int64_t k = begin; k < end; ++k) xs[j * n + k] = bf16_bits_to_float(float_to_bf16_bits_rne(xs[j * n + k]));
+    });
+    return;
+  }
+  const bool native = bf16 && polar_bf16_gemm() == PolarGemm::kNativeBf16;
+  const bool round_outputs = bf16 && !native;
   const int64_t side = std::min(rows, cols);
   const std::vector<int64_t> bounds =
       polar_block_bounds(side, row_blocks > 0 ? row_blocks : polar_row_blocks_cpu(side));
@@ -196,17 +271,19 @@ void polar_express(at::Tensor& x, const std::vector<std::array<float, 3>>& coeff
 
   // Scratch of one matrix: its four buffers back to back, each 64-byte aligned
   // (at::empty's CPU allocations are).
+  const at::ScalarType scratch_dtype = native ? at::kBFloat16 : at::kFloat;
+  const int64_t element_size = static_cast<int64_t>(c10::elementSize(scratch_dtype));
   std::array<int64_t, kPolarBufferCount> slot_offset{};
   int64_t scratch_numel = 0;
   for (int k = 0; k < kPolarBufferCount; ++k) {
     slot_offset[k] = scratch_numel;
-    scratch_numel += align_up(polar_buffer_numel(static_cast<PolarBuffer>(k), rows, cols));
+    scratch_numel += align_up(polar_buffer_numel(static_cast<PolarBuffer>(k), rows, cols), element_size);
   }
-  const int64_t scratch_bytes = scratch_numel * int64_t(sizeof(float));
+  const int64_t scratch_bytes = scratch_numel * element_size;
   const int64_t group = std::max<int64_t>(
       1, std::min({count, int64_t(at::get_num_threads()), max_scratch_bytes / std::max<int64_t>(scratch_bytes, 1)}));
-  const at::Tensor scratch = at::empty({group, scratch_numel}, x.options());
-  TORCH_INTERNAL_ASSERT(reinterpret_cast<uintptr_t>(scratch.const_data_ptr()) % (kAlignFloats * sizeof(float)) == 0);
+  const at::Tensor scratch = at::empty({group, scratch_numel}, x.options().dtype(scratch_dtype));
+  TORCH_INTERNAL_ASSERT(reinterpret_cast<uintptr_t>(scratch.const_data_ptr()) % kAlignBytes == 0);
   const at::Tensor flat_x = x.view({count, rows * cols});
   auto slot = [&](int64_t member, PolarBuffer b) -> at::Tensor {
     const int k = static_cast<int>(b);
@@ -215,7 +292,11 @@ void polar_express(at::Tensor& x, const std::vector<std::array<float, 3>>& coeff
 
   for (int64_t first = 0; first < count; first += group) {
     const int64_t members = std::min(group, count - first);
-    run_tasks(members, [&](int64_t member) { slot(member, PolarBuffer::kX).copy_(flat_x[first + member]); });
+    run_tasks(members, [&](int64_t member) {
+      at::Tensor into = slot(member, PolarBuffer::kX);
+      into.copy_(flat_x[first + member]);  // to BF16 (nearest even) when the scratch is BF16
+      if (round_outputs) round_to_bf16(into.view({rows, cols}));
+    });
     for (const auto& abc : coefficients) {
       for (const std::vector<PolarOp>& stage : stages) {
         const int64_t ops = static_cast<int64_t>(stage.size());
@@ -229,6 +310,7 @@ void polar_express(at::Tensor& x, const std::vector<std::array<float, 3>>& coeff
                             view_of(slot(member, op.rhs.buffer), op.rhs),
                             polar_scalar_value(op.beta, abc[0], abc[1], abc[2]),
                             polar_scalar_value(op.alpha, abc[0], abc[1], abc[2]));
+              if (round_outputs) round_to_bf16(out);
               break;
             }
             case PolarOp::Kind::kCopy:
@@ -399,7 +481,7 @@ void muon_step(const MuonBucket& b, const MuonStepOptions& o) {
     const std::vector<MatrixRef> mats(all.begin() + first, all.begin() + std::min(first + chunk, total));
     at::Tensor x = workspace.narrow(0, 0, static_cast<int64_t>(mats.size()));
     momentum_and_scale(b, o, mats, inv_scale, x);
-    polar_express(x, o.coefficients, b.rows, b.cols, o.polar_row_blocks, o.max_workspace_bytes);
+    polar_express(x, o.coefficients, b.rows, b.cols, o.polar_row_blocks, o.max_workspace_bytes, o.polar_dtype);
     if (o.hyper.normuon) {
       const int64_t len = b.stat_length();
       normuon_multipliers(b.rows, b.cols, o.hyper.beta2, static_cast<int64_t>(mats.size()), x.const_data_ptr<float>(),
@@ -445,7 +527,8 @@ void muon_orthogonalize(const MuonOrthogonalizeArgs& args) {
     });
     scale_by_input_norm(xs, count, n, partial);
     at::Tensor matrices = x;
-    polar_express(matrices, args.coefficients, rows, cols, args.polar_row_blocks, args.max_workspace_bytes);
+    polar_express(matrices, args.coefficients, rows, cols, args.polar_row_blocks, args.max_workspace_bytes,
+                  args.polar_dtype);
     if (!args.normuon) continue;
     float* smb = args.second_momentum_buffers[i].data_ptr<float>();
     normuon_multipliers(rows, cols, args.beta2, count, xs, [&](int64_t j) { return smb + j * len; }, mult);

@@ -28,7 +28,8 @@ def set_grads(params, grads):
 
 
 def muon_hyper(group):
-    keys = ("lr", "momentum", "nesterov", "beta2", "weight_decay", "ns_steps", "ns_coefficients", "lr_scale")
+    keys = ("lr", "momentum", "nesterov", "beta2", "weight_decay", "ns_steps", "ns_coefficients", "lr_scale",
+            "polar_dtype")
     return {k: group[k] for k in keys}
 
 

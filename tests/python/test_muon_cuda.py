@@ -25,7 +25,7 @@ def _run(shapes, mode, device, steps=3, twin=False, **hyper):
     for k in range(steps):
         grads = [g.to(device) for g in make_muon_grads(shapes, seed=k)]
         if twin:
-            reference.muon_step(*s.args(grads), **s.kwargs(), bf16_polar=True, **hyper)
+            reference.muon_step(*s.args(grads), **s.kwargs(), polar_dtype="bfloat16", **hyper)
         else:
             ops.muon_step(*s.args(grads), **s.kwargs(), **hyper)
     return s
@@ -139,3 +139,24 @@ def test_polar_express_quality_on_gpu():
         assert torch.linalg.svdvals(x).max() <= SV_MAX, name
         assert torch.linalg.svdvals(x @ vh[keep].T).min() >= SV_MIN_ABOVE_THRESHOLD, name
         assert torch.linalg.matrix_norm((x - u @ vh) @ vh[keep].T, ord=2) <= SPECTRAL_DIST_ON_SPAN, name
+
+
+def test_fp32_polar_express_is_refused_on_cuda_before_any_write():
+    """polar_dtype="float32" exists on the CPU only so far: the op and the
+    optimizer's planning refuse it on CUDA with nothing written."""
+    import muon_ext
+    s = make_muon_set([(16, 24)], "bf16_remainder").to("cuda")
+    before = [t.clone() for t in s.tensors()]
+    with pytest.raises(NotImplementedError, match="polar_dtype"):
+        ops.muon_step(*s.args([g.cuda() for g in make_muon_grads([(16, 24)])]), **s.kwargs(), lr=0.02,
+                      polar_dtype="float32")
+    for a, b in zip(s.tensors(), before):
+        assert_bit_equal(a, b)
+    w = torch.nn.Parameter(torch.randn(16, 24, device="cuda"))
+    v = torch.nn.Parameter(torch.randn(8, device="cuda"))
+    opt = muon_ext.MuonAdamW([dict(params=[v], kind="adamw"), dict(params=[w], kind="muon", polar_dtype="float32")])
+    w.grad, v.grad = torch.randn_like(w), torch.randn_like(v)
+    v_before = v.detach().clone()
+    with pytest.raises(NotImplementedError, match="param group 1"):
+        opt.step()
+    assert_bit_equal(v.detach(), v_before, "the AdamW group was stepped before the refusal")

@@ -32,13 +32,13 @@ def _opcheck_cases():
                         m.masters), dict(lr=0.02, lr_tensor=torch.tensor(0.01), momentum=0.95, nesterov=True,
                                          beta2=0.95, weight_decay=0.1, ns_steps=5, ns_coefficients=flat,
                                          lr_scale="original", inv_scale=None, found_inf=torch.zeros(1),
-                                         max_workspace_bytes=1 << 20, polar_row_blocks=None)
+                                         max_workspace_bytes=1 << 20, polar_row_blocks=None, polar_dtype="bfloat16")
     updates = [torch.randn(6, 10), torch.randn(6, 10)]
     yield "muon_momentum", (make_muon_grads([(6, 10)] * 2), [torch.zeros(6, 10) for _ in range(2)], updates), dict(
         momentum=0.9, nesterov=True, inv_scale=None, found_inf=None)
     yield "muon_orthogonalize", ([u.clone() for u in updates], [torch.zeros(1, 10) for _ in range(2)]), dict(
         beta2=0.95, ns_steps=5, ns_coefficients=flat, max_workspace_bytes=1 << 20, polar_row_blocks=2,
-        found_inf=None)
+        polar_dtype="float32", found_inf=None)
     yield "muon_apply", (m.params, updates, m.masters), dict(lr=0.02, lr_tensor=None, weight_decay=0.1,
                                                              lr_scale="original", rows=6, cols=10, found_inf=None)
     master = torch.randn(5, 3)

@@ -36,7 +36,7 @@ def test_fp32_run_matches_reference_math():
     shapes = SEED_MUON_SHAPES + adamw_shapes
     values = bf16_values(shapes)
     params = as_params(values)
-    hyper = dict(SEED_HYPER, beta2=0.9)
+    hyper = dict(SEED_HYPER, beta2=0.9, polar_dtype="float32")
     opt = MuonAdamW([dict(params=params[:4], kind="muon", **hyper),
                      dict(params=params[4:], kind="adamw", lr=0.01, betas=(0.9, 0.95), weight_decay=0.1)])
     ref = [v.clone() for v in values]
@@ -80,17 +80,18 @@ def _load_seed(patch=None):
     return module
 
 
-def _run_muon_groups(optimizer_cls, per_shape_groups, steps=5):
-    """FP32 params of SEED_MUON_SHAPES, one group per shape when asked (the seed needs it)."""
+def _run_muon_groups(optimizer_cls, per_shape_groups, steps=5, **extra):
+    """FP32 params of SEED_MUON_SHAPES, one group per shape when asked (the seed needs it);
+    `extra` group settings (ours only: polar_dtype)."""
     values = bf16_values(SEED_MUON_SHAPES)
     params = as_params(values)
     if per_shape_groups:
         by_shape = {}
         for p in params:
             by_shape.setdefault(tuple(p.shape), []).append(p)
-        groups = [dict(params=ps, kind="muon", **SEED_HYPER) for ps in by_shape.values()]
+        groups = [dict(params=ps, kind="muon", **SEED_HYPER, **extra) for ps in by_shape.values()]
     else:
-        groups = [dict(params=params, kind="muon", **SEED_HYPER)]
+        groups = [dict(params=params, kind="muon", **SEED_HYPER, **extra)]
     opt = optimizer_cls(groups)
     for grads in grad_seq(SEED_MUON_SHAPES, steps):
         set_grads(params, grads)
@@ -108,7 +109,7 @@ def test_muon_matches_the_seed_algorithm_with_fp32_orthogonalization():
     summation order. Measured 1.2e-6 to 1.6e-6 of the 5-step update norm;
     allowed 1e-5."""
     seed = _load_seed(patch=("    X = g.bfloat16()\n", "    X = g.float()\n"))
-    values, ours = _run_muon_groups(MuonAdamW, per_shape_groups=False)
+    values, ours = _run_muon_groups(MuonAdamW, per_shape_groups=False, polar_dtype="float32")
     _, theirs = _run_muon_groups(seed.MuonAdamW, per_shape_groups=True)
     deviation = _update_deviation(values, ours, theirs)
     assert max(deviation) < 1e-5, deviation
@@ -117,19 +118,26 @@ def test_muon_matches_the_seed_algorithm_with_fp32_orthogonalization():
 def test_muon_matches_the_seed_within_its_bf16_noise():
     """Against the unmodified seed (BF16 Polar-Express, one group per shape).
 
-    Measured deviation 2.4% to 3.4% of the 5-step update norm. It comes from
-    the seed's BF16 orthogonalization (every op rounded to BF16): patching the
+    Measured deviation of the 5-step update norm, ours with FP32 Polar-Express:
+    2.4% to 3.4%; with BF16 (the default): 2.6% to 3.7%. It comes from the
+    seed's BF16 orthogonalization (every op rounded to BF16): patching the
     seed's BF16 casts of lr' and the NorMuon scale to FP32 changes it by less
     than 0.001, orthogonalizing in FP32 brings it to 1.6e-6 (test above), and
-    our own BF16 twin (reference bf16_polar) sits at 1.0% to 1.2% from FP32.
-    Allowed 5%: a 5% lr error or momentum 0.9 instead of 0.95 measures 5.7% to
-    10%, Nesterov off or 4 Polar-Express steps 25% or more."""
+    our own BF16 rounding sits at 1.0% to 1.2% from FP32. Ours in BF16 rounds
+    at other points than the seed (each GEMM output once, b A + c A A fused),
+    so the two BF16 noises add: sqrt(3.4^2 + 1.2^2) = 3.6%, as measured.
+    Allowed 5% for both, and BF16 at most 1.15x FP32 (1.06x expected): a 5%
+    lr error or momentum 0.9 instead of 0.95 measures 5.7% to 10%, Nesterov off
+    or 4 Polar-Express steps 25% or more."""
     seed = _load_seed()
-    values, ours = _run_muon_groups(MuonAdamW, per_shape_groups=False)
     _, theirs = _run_muon_groups(seed.MuonAdamW, per_shape_groups=True)
-    deviation = _update_deviation(values, ours, theirs)
-    assert max(deviation) < 0.05, deviation
-    assert min(deviation) > 1e-3, "the seed's BF16 noise vanished: is the seed still orthogonalizing in BF16?"
+    deviation = {}
+    for polar_dtype in ("float32", "bfloat16"):
+        values, ours = _run_muon_groups(MuonAdamW, per_shape_groups=False, polar_dtype=polar_dtype)
+        deviation[polar_dtype] = _update_deviation(values, ours, theirs)
+        assert max(deviation[polar_dtype]) < 0.05, deviation
+    assert min(deviation["float32"]) > 1e-3, "the seed's BF16 noise vanished: is the seed still orthogonalizing in BF16?"
+    assert max(deviation["bfloat16"]) <= 1.15 * max(deviation["float32"]), deviation
 
 
 def test_adamw_matches_the_seed():

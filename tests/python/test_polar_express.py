@@ -1,10 +1,10 @@
-"""Orthogonalization quality of Polar-Express (CPU kernel, FP32; reference BF16 twin).
+"""Orthogonalization quality of Polar-Express (CPU kernel in FP32 and BF16; reference BF16 twin).
 
 Polar-Express with the five default tuples maps every singular value of the
 normalized input that is not tiny into a band around 1 rather than onto 1.
 Measured here (seed 0) on Gaussian 256x256, 128x512, 512x128, 37x91, 520x1100 and on
 matrices with singular values log-spaced over 1e-3..1 (256x256, 128x384,
-300x100), FP32 kernel and BF16 twin alike:
+300x100), FP32 kernel and BF16 twin alike (the BF16 kernel passes the same bounds):
   largest output singular value            1.1409 .. 1.1430
   smallest, inputs with sigma/sigma_max > 0.01   0.8576 .. 0.9058
   relative Frobenius distance to U V^T      Gaussian 0.091 .. 0.109, ill-conditioned 0.20 .. 0.28
@@ -24,11 +24,12 @@ THRESHOLD = 0.01
 SPECTRAL_DIST_ON_SPAN = 0.155
 
 
-def orthogonalize_with_kernel(g: torch.Tensor) -> torch.Tensor:
+def orthogonalize_with_kernel(g: torch.Tensor, polar_dtype: str = "float32") -> torch.Tensor:
     """The kernel's Polar-Express output: with momentum 0, no NorMuon, no decay,
     lr' = 1 and a zero param, the step writes exactly -X."""
     p, mom = torch.zeros_like(g), torch.zeros_like(g)
-    ops.muon_step([p], [g], [mom], lr=1.0, momentum=0.0, beta2=None, weight_decay=0.0, lr_scale="none")
+    ops.muon_step([p], [g], [mom], lr=1.0, momentum=0.0, beta2=None, weight_decay=0.0, lr_scale="none",
+                  polar_dtype=polar_dtype)
     return -p
 
 
@@ -56,10 +57,13 @@ CASES = cases()
 
 
 @pytest.mark.parametrize("name", list(CASES))
-@pytest.mark.parametrize("implementation", ["kernel_fp32", "reference_bf16"])
+@pytest.mark.parametrize("implementation", ["kernel_fp32", "kernel_bf16", "reference_bf16"])
 def test_polar_express_quality(name, implementation):
     g = CASES[name]
-    x = (orthogonalize_with_kernel(g) if implementation == "kernel_fp32" else orthogonalize_bf16_twin(g)).double()
+    if implementation == "reference_bf16":
+        x = orthogonalize_bf16_twin(g).double()
+    else:
+        x = orthogonalize_with_kernel(g, "float32" if implementation == "kernel_fp32" else "bfloat16").double()
     u, s, vh = torch.linalg.svd(g.double(), full_matrices=False)
     polar = u @ vh
     out_sv = torch.linalg.svdvals(x)
