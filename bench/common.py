@@ -98,6 +98,8 @@ def environment(device: torch.device) -> dict:
         env["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
         env["isa_caps"] = {k: os.environ[k] for k in AVX2_HOST_ENV if k in os.environ}
         env["gemm_flops_per_s"] = cpu_gemm_rates()
+        from muon_ext import ops  # how BF16 Polar-Express multiplies here: "native" or "rounded"
+        env["muon_ext_cpu_bf16_gemm"] = ops.cpu_bf16_gemm()
     return env
 
 

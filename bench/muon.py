@@ -131,10 +131,16 @@ def main():
                             for k, v in seconds.items() if v is not None and not k.startswith("ours")}}
         case["speedup"].update({f"ours_bf16_remainder_vs_{k}": v / seconds["ours_bf16_remainder"]
                                 for k, v in seconds.items() if "row_blocks" in k})
+        flops = polar_express_flops(shapes)
+        case["polar_express_flops_per_s"] = {k: flops / v for k, v in seconds.items() if v is not None}
+        achieved = flops / seconds["ours_bf16_remainder"]
         if device.type == "cuda":
-            flops = polar_express_flops(shapes)
-            case["polar_express_flops_per_s"] = {k: flops / v for k, v in seconds.items() if v is not None}
-            case["fraction_of_bf16_gemm_rate"] = flops / seconds["ours_bf16_remainder"] / results["bf16_bmm_flops_per_s"]
+            case["fraction_of_bf16_gemm_rate"] = achieved / results["bf16_bmm_flops_per_s"]
+        else:
+            # On the CPU the BF16 path runs oneDNN BF16 GEMMs only where the CPU has
+            # them (muon_ext.ops.cpu_bf16_gemm() == "native"), else FP32 GEMMs.
+            rates = results["environment"].get("gemm_flops_per_s", {})
+            case["fraction_of_gemm_rate"] = {dtype: achieved / rate for dtype, rate in rates.items() if rate}
         results["cases"].append(case)
     write_json(args.out, results)
 

@@ -156,8 +156,7 @@ def main():
                          "speedup_of_ours_bf16_remainder: peer seconds / ours seconds (> 1: ours is faster)",
                          "ours orthogonalizes with BF16 operands (polar_dtype='bfloat16', the default; on CPU "
                          "muon_ext.ops.cpu_bf16_gemm() says whether natively or as FP32 GEMMs on BF16 values); "
-                         "*_fp32_polar: polar_dtype='float32'. The seed and torch.optim.Muon use BF16 GEMMs"],
-               "cpu_bf16_gemm": __import__("muon_ext").ops.cpu_bf16_gemm()}
+                         "*_fp32_polar: polar_dtype='float32'. The seed and torch.optim.Muon use BF16 GEMMs"]}
     if seed is None:
         results["notes"].append("../shared absent: seed peer skipped")
     for set_name, sets in param_sets(device).items():

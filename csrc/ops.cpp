@@ -192,13 +192,6 @@ PolarDtype parse_polar_dtype(const char* op, c10::string_view mode) {
   return value == "float32" ? PolarDtype::kFloat32 : PolarDtype::kBFloat16;
 }
 
-// FP32 Polar-Express GEMMs exist on the CPU only so far (docs/design.md,
-// "Rounding contract"); refused before anything is written.
-void check_polar_dtype_supported(const char* op, Backend backend, PolarDtype dtype) {
-  TORCH_CHECK_NOT_IMPLEMENTED(backend != Backend::kCuda || dtype == PolarDtype::kBFloat16, op,
-                              ": polar_dtype='float32' is not implemented on CUDA yet; use 'bfloat16'");
-}
-
 // The first ns_steps (a, b, c) triples of a flat list of coefficients.
 std::vector<std::array<float, 3>> check_coefficients(const char* op, at::ArrayRef<double> flat, int64_t ns_steps) {
   checks::in_range(op, "muon", "ns_steps", static_cast<double>(ns_steps));
@@ -341,7 +334,6 @@ void muon_step(at::TensorList params, at::TensorList grads, at::TensorList momen
   bucket.masters = to_vector(masters);
   check_muon_bucket(bucket, options);
   const Backend backend = backend_of(bucket.params);
-  check_polar_dtype_supported(kMuon, backend, options.polar_dtype);
   if (backend == Backend::kNone) return;
   options.lr_factor = static_cast<float>(muon_lr_factor(scale_mode, bucket.rows, bucket.cols));
 
@@ -440,7 +432,6 @@ void muon_orthogonalize_op(at::TensorList updates, at::TensorList second_momentu
   check_second_moments(kOrthogonalize, args.second_momentum_buffers, args.updates, "updates", args.normuon, args.rows,
                        args.cols);
   checks::scalar_tensor(kOrthogonalize, found_inf, "found_inf", device);
-  check_polar_dtype_supported(kOrthogonalize, backend_of(args.updates), args.polar_dtype);
 
   switch (backend_of(args.updates)) {
     case Backend::kNone: return;

@@ -105,9 +105,6 @@ class StepPlanner:
         checked = []
         for b, (bucket, spec) in enumerate(zip(buckets, self._specs)):
             group = groups[bucket.group]
-            if bucket.kind == "muon" and group["polar_dtype"] == "float32" and spec.device.type == "cuda":
-                raise NotImplementedError(f"param group {bucket.group} (muon): polar_dtype='float32' is not "
-                                          "implemented on CUDA yet; use 'bfloat16'")
             view = group.get("matrix_view", "")
             bad, problem, key, other, uniform, grads, state = _C.check_bucket(
                 bucket.params, grad_attr, tensors, dtype=spec.dtype, device=spec.device,

@@ -127,7 +127,7 @@ def muon_step(
     CUDA: 1). It changes rounding only, never the math. `polar_dtype`:
     "bfloat16" (BF16 GEMM operands, FP32 accumulation, each GEMM output rounded
     to BF16, on every device; see `cpu_bf16_gemm()`) or "float32" (FP32 GEMMs;
-    CPU only so far: refused on CUDA).
+    on CUDA TF32 only where torch allows it for its own FP32 matmuls).
     `inv_scale` / `found_inf` behave as in `adamw_step`; on CUDA the call never
     syncs the host. Raises (TypeError / ValueError) before touching anything.
     """

@@ -7,10 +7,10 @@
 // chunk of matrices, on the current stream, without a host synchronization:
 //   1. per-block sums of u^2, then the input scale 1 / (||u||_F * 1.02 + 1e-6)
 //      per matrix;
-//   2. u again, X = bf16(u * scale) into the [chunk, rows, cols] workspace
-//      (reading u twice keeps the workspace at BF16 size for the same memory
-//      traffic);
-//   3. polar_express_bf16 on the workspace;
+//   2. u again, X = u * scale into the [chunk, rows, cols] workspace, rounded
+//      to BF16 (polar_dtype "bfloat16") or kept FP32 ("float32"); reading u
+//      twice keeps the workspace at X's size for the same memory traffic;
+//   3. polar_express on the workspace (its dtype: BF16 or FP32 GEMMs);
 //   4. NorMuon: sums of X^2 per row or column, second moments, multipliers;
 //   5. the update X * multiplier: through cautious weight decay into the param
 //      and its master (fused step), or into the FP32 updates (phase 2).
@@ -209,14 +209,15 @@ struct WorkspaceArgs {
   int64_t matrix_numel;
   double* partials;    // [chunk, blocks per matrix]: written by kNormSquares
   const float* scale;  // [chunk]: read by kWorkspace
-  uint16_t* x;         // [chunk, rows, cols] BF16: written by kWorkspace
+  void* x;             // [chunk, rows, cols] in the workspace format: written by kWorkspace
 };
 static_assert(sizeof(MatrixList<2>) + sizeof(MomentumArgs) + sizeof(WorkspaceArgs) <= kKernelArgBytes,
               "kernel arguments exceed 4 KiB");
 
 // Block (b, m) covers elements [b, b + 1) * kElementsPerBlock of matrix m of
 // `list` (Source's operands), in for_each_pack's order.
-template <typename Source, MomentumPass kPass>
+// W: the workspace format (BFloat16 or Float32, storage.cuh).
+template <typename Source, MomentumPass kPass, typename W>
 __global__ void __launch_bounds__(kBlockSize)
     momentum_kernel(const MatrixList<Source::kDepth> list, const MomentumArgs momentum, const WorkspaceArgs args) {
   if (skip_step(args.found_inf)) return;
@@ -239,13 +240,14 @@ __global__ void __launch_bounds__(kBlockSize)
     if (threadIdx.x == 0) args.partials[matrix * gridDim.x + blockIdx.x] = total;
   } else {
     const float scale = args.scale[matrix];
-    uint16_t* x = args.x + matrix * args.matrix_numel;
+    using X = typename W::storage;
+    X* x = static_cast<X*>(args.x) + matrix * args.matrix_numel;
     for_each_pack(begin, end, [&](int64_t i, int count) {
       const Pack<float> u = source(i, count);
-      Pack<uint16_t> x_pack{};
+      Pack<X> x_pack{};
 #pragma unroll
       for (int j = 0; j < kILP; ++j) {
-        if (j < count) x_pack.val[j] = float_to_bf16_bits_rne(u.val[j] * scale);
+        if (j < count) x_pack.val[j] = W::store_rne(u.val[j] * scale);
       }
       store_pack(x, i, count, list.vectorized, x_pack);
     });
@@ -268,17 +270,18 @@ __global__ void __launch_bounds__(kReduceThreads)
 // Sums of X^2 per row (rows >= cols): one warp per row, lanes striding the
 // contiguous columns.  Block (kWarpSize, kSumRows); blockIdx.x = matrix *
 // groups + group of kSumRows rows.
+template <typename W>
 __global__ void __launch_bounds__(kWarpSize * kSumRows)
-    normuon_row_sums_kernel(const uint16_t* x, int64_t rows, int64_t cols, int64_t groups, float* sums,
+    normuon_row_sums_kernel(const typename W::storage* x, int64_t rows, int64_t cols, int64_t groups, float* sums,
                             const float* found_inf) {
   if (skip_step(found_inf)) return;
   const int64_t matrix = blockIdx.x / groups;
   const int64_t row = (blockIdx.x % groups) * kSumRows + threadIdx.y;
   if (row >= rows) return;  // the whole warp: only warp-level sync below
-  const uint16_t* values = x + (matrix * rows + row) * cols;
+  const typename W::storage* values = x + (matrix * rows + row) * cols;
   double sum = 0.0;  // in double, rounded to float once, as on the CPU
   for (int64_t c = threadIdx.x; c < cols; c += kWarpSize) {
-    const double v = bf16_bits_to_float(values[c]);
+    const double v = W::load(values[c]);
     sum += v * v;
   }
   sum = warp_sum(sum);
@@ -289,8 +292,9 @@ __global__ void __launch_bounds__(kWarpSize * kSumRows)
 // kSumRows, ... of column c (coalesced across c), then the kSumRows partials
 // of each column are added in order.  blockIdx.x = matrix * groups + group of
 // kWarpSize columns.
+template <typename W>
 __global__ void __launch_bounds__(kWarpSize * kSumRows)
-    normuon_col_sums_kernel(const uint16_t* x, int64_t rows, int64_t cols, int64_t groups, float* sums,
+    normuon_col_sums_kernel(const typename W::storage* x, int64_t rows, int64_t cols, int64_t groups, float* sums,
                             const float* found_inf) {
   if (skip_step(found_inf)) return;
   __shared__ double partials[kSumRows][kWarpSize];
@@ -299,7 +303,7 @@ __global__ void __launch_bounds__(kWarpSize * kSumRows)
   double sum = 0.0;  // in double, rounded to float once, as on the CPU
   if (col < cols) {
     for (int64_t r = threadIdx.y; r < rows; r += kSumRows) {
-      const double v = bf16_bits_to_float(x[(matrix * rows + r) * cols + col]);
+      const double v = W::load(x[(matrix * rows + r) * cols + col]);
       sum += v * v;
     }
   }
@@ -415,9 +419,9 @@ struct UpdateSink {
 // row (rows >= cols) or column; without NorMuon, X itself.  The cursor keeps
 // the row and column without a division per element, so packs must come in
 // for_each_pack's order.
-template <bool kNorMuon>
+template <bool kNorMuon, typename W>
 struct WorkspaceUpdates {
-  const uint16_t* x;
+  const typename W::storage* x;
   const float* mult;
   bool per_row;
   int64_t cols;
@@ -426,12 +430,12 @@ struct WorkspaceUpdates {
   int64_t skip_rows, skip_cols;  // from the end of one pack to the next
 
   __device__ __forceinline__ Pack<float> operator()(int64_t i, int count) {
-    const Pack<uint16_t> x_pack = load_pack(x, i, count, vectorized);
+    const Pack<typename W::storage> x_pack = load_pack(x, i, count, vectorized);
     Pack<float> update{};
 #pragma unroll
     for (int j = 0; j < kILP; ++j) {
       if (j >= count) continue;
-      update.val[j] = bf16_bits_to_float(x_pack.val[j]);
+      update.val[j] = W::load(x_pack.val[j]);
       if constexpr (kNorMuon) {
         update.val[j] = update.val[j] * mult[per_row ? cursor.row : cursor.col];
         cursor.advance(0, 1, cols);
@@ -445,14 +449,14 @@ struct WorkspaceUpdates {
 struct ApplyArgs {
   LrArgs lr;  // read by ParamSink only
   const float* found_inf;
-  const uint16_t* x;  // [chunk, rows, cols] BF16: the orthogonalized update
+  const void* x;      // [chunk, rows, cols] in the workspace format: the orthogonalized update
   const float* mult;  // [chunk, stat_length]: NorMuon multipliers
   int64_t rows, cols;
 };
 static_assert(sizeof(MatrixList<2>) + sizeof(ApplyArgs) <= kKernelArgBytes, "kernel arguments exceed 4 KiB");
 
 // Blocks as in momentum_kernel; operands: Sink's.
-template <typename Sink, bool kNorMuon>
+template <typename Sink, bool kNorMuon, typename W>
 __global__ void __launch_bounds__(kBlockSize) apply_kernel(const MatrixList<Sink::kDepth> list, const ApplyArgs args) {
   if (skip_step(args.found_inf)) return;
   const Sink sink = Sink::make(matrix_addresses(list).at, list.vectorized, args.lr);
@@ -463,7 +467,7 @@ __global__ void __launch_bounds__(kBlockSize) apply_kernel(const MatrixList<Sink
   const int64_t end = min(begin + kElementsPerBlock, matrix_numel);
   const int64_t first = begin + int64_t(threadIdx.x) * kILP;
   const int64_t skip = kElementStride - kILP;
-  WorkspaceUpdates<kNorMuon> updates{args.x + matrix * matrix_numel,
+  WorkspaceUpdates<kNorMuon, W> updates{static_cast<const typename W::storage*>(args.x) + matrix * matrix_numel,
                                      kNorMuon ? args.mult + matrix * (per_row ? args.rows : args.cols) : nullptr,
                                      per_row,
                                      args.cols,
@@ -526,6 +530,7 @@ struct OrthogonalizeSpec {
   const std::vector<std::array<float, 3>>* coefficients;
   int64_t max_workspace_bytes;
   int64_t polar_row_blocks;
+  PolarDtype polar_dtype;
   const std::vector<at::Tensor>* second_moments;  // per bucket tensor; read when normuon
   const float* found_inf;
   const char* op;  // for error messages
@@ -552,9 +557,11 @@ class MatrixChunks {
     // (FP64) and scale, and the NorMuon statistics.
     const int64_t fp32_scratch = 1 + (spec.normuon ? stat_length_ : 0);
     const bool orthogonalize = !spec.coefficients->empty();
+    fp32_ = spec.polar_dtype == PolarDtype::kFloat32;
+    const at::ScalarType x_dtype = fp32_ ? at::kFloat : at::kBFloat16;
     const int64_t per_matrix_workspace_bytes =
-        numel_ * int64_t(sizeof(uint16_t)) +
-        (orthogonalize ? polar_express_workspace_bytes(spec.rows, spec.cols) : 0) +
+        numel_ * int64_t(c10::elementSize(x_dtype)) +
+        (orthogonalize ? polar_express_workspace_bytes(spec.rows, spec.cols, x_dtype) : 0) +
         blocks_per_matrix_ * int64_t(sizeof(double)) + fp32_scratch * int64_t(sizeof(float));
     capacity_ = std::min(total_, std::max<int64_t>(1, spec.max_workspace_bytes / per_matrix_workspace_bytes));
 
@@ -564,8 +571,8 @@ class MatrixChunks {
     grid_size(capacity_ * sum_groups_, spec.op);  // the largest NorMuon sums grid
 
     const at::TensorOptions f32 = tensors.front().options().dtype(at::kFloat);
-    x_ = at::empty({capacity_, spec.rows, spec.cols}, f32.dtype(at::kBFloat16));
-    polar_ = make_polar_express_workspace(orthogonalize ? capacity_ : 0, spec.rows, spec.cols, f32);
+    x_ = at::empty({capacity_, spec.rows, spec.cols}, f32.dtype(x_dtype));
+    polar_ = make_polar_express_workspace(orthogonalize ? capacity_ : 0, spec.rows, spec.cols, f32.dtype(x_dtype));
     partials_ = at::empty({capacity_, blocks_per_matrix_}, f32.dtype(at::kDouble));
     scale_ = at::empty({capacity_}, f32);
     if (spec.normuon) stats_ = at::empty({capacity_, stat_length_}, f32);
@@ -583,6 +590,28 @@ class MatrixChunks {
   void orthogonalize(int64_t begin, int64_t end, const OperandLists<First::kDepth>& operands,
                      const MomentumArgs& momentum) const {
     static_assert(int(First::kDepth) == int(Second::kDepth), "both passes read u through the same operands");
+    if (fp32_) {
+      orthogonalize_in<First, Second, Float32>(begin, end, operands, momentum);
+    } else {
+      orthogonalize_in<First, Second, BFloat16>(begin, end, operands, momentum);
+    }
+  }
+
+  // Step 5 on chunk [begin, end): each update into Sink's `operands`.
+  template <typename Sink>
+  void write(int64_t begin, int64_t end, const OperandLists<Sink::kDepth>& operands, const LrArgs& lr) const {
+    if (fp32_) {
+      write_in<Sink, Float32>(begin, end, operands, lr);
+    } else {
+      write_in<Sink, BFloat16>(begin, end, operands, lr);
+    }
+  }
+
+ private:
+  // orthogonalize with the workspace in format W.
+  template <typename First, typename Second, typename W>
+  void orthogonalize_in(int64_t begin, int64_t end, const OperandLists<First::kDepth>& operands,
+                        const MomentumArgs& momentum) const {
     constexpr int kDepth = First::kDepth;
     const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
     const int64_t count = end - begin;
@@ -590,7 +619,7 @@ class MatrixChunks {
                                   .matrix_numel = numel_,
                                   .partials = partials_.mutable_data_ptr<double>(),
                                   .scale = scale_.const_data_ptr<float>(),
-                                  .x = static_cast<uint16_t*>(x_.data_ptr())};
+                                  .x = x_.data_ptr()};
     auto momentum_pass = [&](auto kernel) {
       for_each_matrix_group<kDepth>(matrices_, begin, end, operands, numel_,
                                     [&](const MatrixList<kDepth>& list, int n) {
@@ -599,25 +628,25 @@ class MatrixChunks {
                                       C10_CUDA_KERNEL_LAUNCH_CHECK();
                                     });
     };
-    momentum_pass(momentum_kernel<First, MomentumPass::kNormSquares>);
+    momentum_pass(momentum_kernel<First, MomentumPass::kNormSquares, W>);
     input_scale_kernel<<<unsigned(count), kReduceThreads, 0, stream>>>(
         partials_.const_data_ptr<double>(), blocks_per_matrix_, scale_.mutable_data_ptr<float>(), spec_.found_inf);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
-    momentum_pass(momentum_kernel<Second, MomentumPass::kWorkspace>);
+    momentum_pass(momentum_kernel<Second, MomentumPass::kWorkspace, W>);
 
     if (!spec_.coefficients->empty()) {
-      polar_express_bf16(x_.narrow(0, 0, count), *spec_.coefficients, polar_, spec_.polar_row_blocks);
+      polar_express(x_.narrow(0, 0, count), *spec_.coefficients, polar_, spec_.polar_row_blocks);
     }
 
     if (spec_.normuon) {
-      const auto* x_bits = static_cast<const uint16_t*>(x_.const_data_ptr());
+      const auto* x_bits = static_cast<const typename W::storage*>(x_.const_data_ptr());
       const int64_t rows = spec_.rows, cols = spec_.cols;
       const dim3 sum_grid(unsigned(count * sum_groups_)), sum_block(kWarpSize, kSumRows);
       if (rows >= cols) {
-        normuon_row_sums_kernel<<<sum_grid, sum_block, 0, stream>>>(x_bits, rows, cols, sum_groups_,
+        normuon_row_sums_kernel<W><<<sum_grid, sum_block, 0, stream>>>(x_bits, rows, cols, sum_groups_,
                                                                      stats_.mutable_data_ptr<float>(), spec_.found_inf);
       } else {
-        normuon_col_sums_kernel<<<sum_grid, sum_block, 0, stream>>>(x_bits, rows, cols, sum_groups_,
+        normuon_col_sums_kernel<W><<<sum_grid, sum_block, 0, stream>>>(x_bits, rows, cols, sum_groups_,
                                                                      stats_.mutable_data_ptr<float>(), spec_.found_inf);
       }
       C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -634,13 +663,13 @@ class MatrixChunks {
     }
   }
 
-  // Step 5 on chunk [begin, end): each update into Sink's `operands`.
-  template <typename Sink>
-  void write(int64_t begin, int64_t end, const OperandLists<Sink::kDepth>& operands, const LrArgs& lr) const {
+  // write with the workspace in format W.
+  template <typename Sink, typename W>
+  void write_in(int64_t begin, int64_t end, const OperandLists<Sink::kDepth>& operands, const LrArgs& lr) const {
     const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
     const ApplyArgs apply{.lr = lr,
                           .found_inf = spec_.found_inf,
-                          .x = static_cast<const uint16_t*>(x_.const_data_ptr()),
+                          .x = x_.const_data_ptr(),
                           .mult = spec_.normuon ? stats_.const_data_ptr<float>() : nullptr,
                           .rows = spec_.rows,
                           .cols = spec_.cols};
@@ -648,20 +677,20 @@ class MatrixChunks {
                                         [&](const MatrixList<Sink::kDepth>& list, int n) {
                                           const dim3 grid(element_blocks_, n);
                                           if (spec_.normuon) {
-                                            apply_kernel<Sink, true><<<grid, kBlockSize, 0, stream>>>(list, apply);
+                                            apply_kernel<Sink, true, W><<<grid, kBlockSize, 0, stream>>>(list, apply);
                                           } else {
-                                            apply_kernel<Sink, false><<<grid, kBlockSize, 0, stream>>>(list, apply);
+                                            apply_kernel<Sink, false, W><<<grid, kBlockSize, 0, stream>>>(list, apply);
                                           }
                                           C10_CUDA_KERNEL_LAUNCH_CHECK();
                                         });
   }
 
- private:
   OrthogonalizeSpec spec_;
   int64_t numel_;
   std::vector<MatrixRef> matrices_;
   int64_t total_ = 0, capacity_ = 0, stat_length_ = 0, blocks_per_matrix_ = 0, sum_groups_ = 0;
   unsigned element_blocks_ = 0;
+  bool fp32_ = false;  // the workspace format: FP32 (polar_dtype "float32") or BF16
   at::Tensor x_, partials_, scale_, stats_;
   PolarExpressWorkspace polar_;
 };
@@ -685,6 +714,7 @@ void run_muon_step(const MuonBucket& bucket, const MuonStepOptions& options) {
                                             .coefficients = &options.coefficients,
                                             .max_workspace_bytes = options.max_workspace_bytes,
                                             .polar_row_blocks = options.polar_row_blocks,
+                                            .polar_dtype = options.polar_dtype,
                                             .second_moments = &bucket.second_momentum_buffers,
                                             .found_inf = optional_ptr(options.found_inf),
                                             .op = "muon_step"});
@@ -746,6 +776,7 @@ void muon_orthogonalize(const MuonOrthogonalizeArgs& args) {
                                            .coefficients = &args.coefficients,
                                            .max_workspace_bytes = args.max_workspace_bytes,
                                            .polar_row_blocks = args.polar_row_blocks,
+                                           .polar_dtype = args.polar_dtype,
                                            .second_moments = &args.second_momentum_buffers,
                                            .found_inf = optional_ptr(args.found_inf),
                                            .op = "muon_orthogonalize"});

@@ -1,5 +1,5 @@
-// Batched Polar-Express iterations with cuBLAS strided-batched BF16 GEMMs,
-// executing the plan of csrc/common/polar_plan.h (tested against a
+// Batched Polar-Express iterations with cuBLAS strided-batched GEMMs (BF16
+// operands, or FP32 for polar_dtype="float32"), executing the plan of csrc/common/polar_plan.h (tested against a
 // column-major GEMM emulation in tests/cpp/test_polar_plan.cpp).
 //
 // Transposes are expressed through cuBLAS op flags only (to_column_major). A
@@ -7,6 +7,7 @@
 // plan copies A into the B buffer and X into a second buffer first.
 #include "polar_express_cuda.h"
 
+#include <ATen/Context.h>
 #include <ATen/cuda/CUDABlas.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/cuda/Exceptions.h>
@@ -42,14 +43,14 @@ __device__ __forceinline__ int block_of(const BlockBounds& bounds, int64_t i) {
 }
 
 // blockIdx.x = tile_row * tiles + tile_col (one grid dimension: no 65535 cap).
-__global__ void mirror_upper_blocks_kernel(uint16_t* data, int64_t batch, int64_t side, int64_t tiles,
-                                           BlockBounds bounds) {
-  __shared__ uint16_t tile[kTile][kTile + 1];
+template <typename T>
+__global__ void mirror_upper_blocks_kernel(T* data, int64_t batch, int64_t side, int64_t tiles, BlockBounds bounds) {
+  __shared__ T tile[kTile][kTile + 1];
   const int64_t tile_row = blockIdx.x / tiles, tile_col = blockIdx.x % tiles;
   if (tile_col > tile_row) return;  // tiles wholly above the diagonal receive nothing
   const int64_t row0 = tile_row * kTile, col0 = tile_col * kTile;
   for (int64_t m = blockIdx.z; m < batch; m += gridDim.z) {
-    uint16_t* matrix = data + m * side * side;
+    T* matrix = data + m * side * side;
     // Read the transposed tile: rows col0.., columns row0.. (the upper side).
     for (int r = threadIdx.y; r < kTile; r += blockDim.y) {
       const int64_t i = col0 + r, j = row0 + threadIdx.x;
@@ -82,45 +83,46 @@ class MathModeGuard {
 };
 
 int to_int(int64_t value, const char* what) {
-  TORCH_CHECK(value <= std::numeric_limits<int>::max(), "polar_express_bf16: ", what, " ", value,
+  TORCH_CHECK(value <= std::numeric_limits<int>::max(), "polar_express: ", what, " ", value,
               " exceeds cuBLAS's int range");
   return static_cast<int>(value);
 }
 
 }  // namespace
 
-int64_t polar_express_workspace_bytes(int64_t rows, int64_t cols) {
+int64_t polar_express_workspace_bytes(int64_t rows, int64_t cols, at::ScalarType dtype) {
   const int64_t s = std::min(rows, cols);
-  return (rows * cols + 2 * s * s) * int64_t(sizeof(uint16_t));
+  return (rows * cols + 2 * s * s) * int64_t(c10::elementSize(dtype));
 }
 
 PolarExpressWorkspace make_polar_express_workspace(int64_t capacity, int64_t rows, int64_t cols,
                                                    const at::TensorOptions& options) {
   // Checked here, before the caller enqueues anything: every GEMM size, leading
-  // dimension and batch count of polar_express_bf16 then fits cuBLAS's int.
+  // dimension and batch count of polar_express then fits cuBLAS's int.
   to_int(std::max(rows, cols), "matrix dimension");
   to_int(capacity, "batch");
   const int64_t s = std::min(rows, cols);
-  const at::TensorOptions bf16 = options.dtype(at::kBFloat16);
-  return {at::empty({capacity, rows, cols}, bf16), at::empty({capacity, s, s}, bf16),
-          at::empty({capacity, s, s}, bf16)};
+  return {at::empty({capacity, rows, cols}, options), at::empty({capacity, s, s}, options),
+          at::empty({capacity, s, s}, options)};
 }
 
-void polar_express_bf16(const at::Tensor& x, const std::vector<std::array<float, 3>>& coefficients,
-                        const PolarExpressWorkspace& workspace, int64_t row_blocks) {
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 3 && x.is_contiguous(),
-              "polar_express_bf16: x must be a contiguous [B, rows, cols] BF16 tensor");
+void polar_express(const at::Tensor& x, const std::vector<std::array<float, 3>>& coefficients,
+                   const PolarExpressWorkspace& workspace, int64_t row_blocks) {
+  const at::ScalarType dtype = x.scalar_type();
+  TORCH_CHECK((dtype == at::kBFloat16 || dtype == at::kFloat) && x.dim() == 3 && x.is_contiguous(),
+              "polar_express: x must be a contiguous [B, rows, cols] BF16 or FP32 tensor");
+  const bool bf16 = dtype == at::kBFloat16;
   const int64_t batch = x.size(0), rows = x.size(1), cols = x.size(2);
   const int64_t s = std::min(rows, cols);
-  auto fits = [batch](const at::Tensor& buffer, int64_t r, int64_t c) {
-    return buffer.scalar_type() == at::kBFloat16 && buffer.is_contiguous() && buffer.dim() == 3 &&
-           buffer.size(0) >= batch && buffer.size(1) == r && buffer.size(2) == c;
+  auto fits = [batch, dtype](const at::Tensor& buffer, int64_t r, int64_t c) {
+    return buffer.scalar_type() == dtype && buffer.is_contiguous() && buffer.dim() == 3 && buffer.size(0) >= batch &&
+           buffer.size(1) == r && buffer.size(2) == c;
   };
   TORCH_CHECK(fits(workspace.x_operand, rows, cols) && fits(workspace.gram, s, s) && fits(workspace.poly, s, s),
-              "polar_express_bf16: the workspace does not fit x");
+              "polar_express: the workspace does not fit x");
   if (batch == 0 || s == 0 || coefficients.empty()) return;
 
-  TORCH_CHECK(row_blocks <= kMaxPolarRowBlocks, "polar_express_bf16: row_blocks ", row_blocks, " above ",
+  TORCH_CHECK(row_blocks <= kMaxPolarRowBlocks, "polar_express: row_blocks ", row_blocks, " above ",
               kMaxPolarRowBlocks);
   const std::vector<int64_t> bounds = polar_block_bounds(s, row_blocks > 0 ? row_blocks : polar_row_blocks_cuda(s));
   const std::vector<PolarOp> plan = polar_iteration_plan(rows, cols, bounds);
@@ -132,18 +134,25 @@ void polar_express_bf16(const at::Tensor& x, const std::vector<std::array<float,
   const std::array<void*, kPolarBufferCount> base = {x.data_ptr(), workspace.x_operand.data_ptr(),
                                                      workspace.gram.data_ptr(), workspace.poly.data_ptr()};
   auto stride = [&](PolarBuffer b) { return polar_buffer_numel(b, rows, cols); };
+  const int64_t element_size = int64_t(c10::elementSize(dtype));
   auto address = [&](PolarBuffer b, int64_t offset) {
-    return static_cast<void*>(static_cast<uint16_t*>(base[static_cast<int>(b)]) + offset);
+    return static_cast<void*>(static_cast<char*>(base[static_cast<int>(b)]) + offset * element_size);
   };
+  // BF16: operands and outputs BF16, FP32 accumulation. FP32: FP32 throughout,
+  // with TF32 tensor cores only where the user allowed them in torch
+  // (torch.backends.cuda.matmul.allow_tf32), as torch's own FP32 GEMMs.
+  const cudaDataType_t data_type = bf16 ? CUDA_R_16BF : CUDA_R_32F;
+  const cublasComputeType_t compute_type =
+      !bf16 && at::globalContext().allowTF32CuBLAS() ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
 
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const cublasHandle_t handle = at::cuda::getCurrentCUDABlasHandle();  // bound to `stream`
   const at::cuda::blas::PointerModeGuard pointer_mode(handle, CUBLAS_POINTER_MODE_HOST);
-  // No split-K partial sums in BF16: each GEMM output is rounded to BF16 once.
+  // No split-K partial sums in reduced precision: each GEMM output is rounded once.
   const MathModeGuard math_mode(
       handle, static_cast<cublasMath_t>(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION));
   const int64_t tiles = (s + kTile - 1) / kTile;
-  TORCH_CHECK(tiles * tiles <= std::numeric_limits<int>::max(), "polar_express_bf16: side ", s, " too large");
+  TORCH_CHECK(tiles * tiles <= std::numeric_limits<int>::max(), "polar_express: side ", s, " too large");
   const dim3 mirror_threads(kTile, 8);
   const dim3 mirror_grid(static_cast<unsigned>(tiles * tiles), 1, static_cast<unsigned>(std::min<int64_t>(batch, 65535)));
 
@@ -156,20 +165,25 @@ void polar_express_bf16(const at::Tensor& x, const std::vector<std::array<float,
           const float beta = static_cast<float>(polar_scalar_value(op.beta, abc[0], abc[1], abc[2]));
           TORCH_CUDABLAS_CHECK(cublasGemmStridedBatchedEx(
               handle, g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, to_int(g.m, "m"),
-              to_int(g.n, "n"), to_int(g.k, "k"), &alpha, address(g.a, g.a_offset), CUDA_R_16BF,
-              to_int(g.lda, "lda"), stride(g.a), address(g.b, g.b_offset), CUDA_R_16BF, to_int(g.ldb, "ldb"),
-              stride(g.b), &beta, address(g.c, g.c_offset), CUDA_R_16BF, to_int(g.ldc, "ldc"), stride(g.c),
-              to_int(batch, "batch"), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+              to_int(g.n, "n"), to_int(g.k, "k"), &alpha, address(g.a, g.a_offset), data_type,
+              to_int(g.lda, "lda"), stride(g.a), address(g.b, g.b_offset), data_type, to_int(g.ldb, "ldb"),
+              stride(g.b), &beta, address(g.c, g.c_offset), data_type, to_int(g.ldc, "ldc"), stride(g.c),
+              to_int(batch, "batch"), compute_type, CUBLAS_GEMM_DEFAULT));
           break;
         }
         case PolarOp::Kind::kCopy:
           C10_CUDA_CHECK(cudaMemcpyAsync(address(op.to, 0), address(op.from, 0),
-                                         batch * stride(op.from) * int64_t(sizeof(uint16_t)),
+                                         batch * stride(op.from) * element_size,
                                          cudaMemcpyDeviceToDevice, stream));
           break;
         case PolarOp::Kind::kMirror:
-          mirror_upper_blocks_kernel<<<mirror_grid, mirror_threads, 0, stream>>>(
-              static_cast<uint16_t*>(address(op.to, 0)), batch, s, tiles, device_bounds);
+          if (bf16) {
+            mirror_upper_blocks_kernel<<<mirror_grid, mirror_threads, 0, stream>>>(
+                static_cast<uint16_t*>(address(op.to, 0)), batch, s, tiles, device_bounds);
+          } else {
+            mirror_upper_blocks_kernel<<<mirror_grid, mirror_threads, 0, stream>>>(
+                static_cast<float*>(address(op.to, 0)), batch, s, tiles, device_bounds);
+          }
           C10_CUDA_KERNEL_LAUNCH_CHECK();
           break;
       }

@@ -1,4 +1,4 @@
-// Batched Polar-Express iterations on a BF16 workspace, with cuBLAS.
+// Batched Polar-Express iterations on a BF16 or FP32 workspace, with cuBLAS.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -11,8 +11,8 @@
 namespace muon_ext {
 namespace cuda {
 
-// Scratch of polar_express_bf16 for up to `capacity` matrices, allocated once
-// per step and reused by every chunk.  s = min(rows, cols).
+// Scratch of polar_express for up to `capacity` matrices, allocated once per
+// step and reused by every chunk, in x's dtype.  s = min(rows, cols).
 struct PolarExpressWorkspace {
   at::Tensor x_operand;  // [capacity, rows, cols]: copy of X read by the X GEMM
   at::Tensor gram;       // [capacity, s, s]: A
@@ -20,21 +20,23 @@ struct PolarExpressWorkspace {
 };
 
 // Bytes of PolarExpressWorkspace per matrix (X itself not included).
-int64_t polar_express_workspace_bytes(int64_t rows, int64_t cols);
+int64_t polar_express_workspace_bytes(int64_t rows, int64_t cols, at::ScalarType dtype);
 
 PolarExpressWorkspace make_polar_express_workspace(int64_t capacity, int64_t rows, int64_t cols,
                                                    const at::TensorOptions& options);
 
 // Runs one iteration per (a, b, c) of `coefficients` on x ([B, rows, cols]
-// BF16, contiguous, B <= capacity), in place, on the current stream:
+// BF16 or FP32, contiguous, B <= capacity; the workspace in x's dtype), in
+// place, on the current stream:
 //   wide (rows <= cols):  A = X X^T ;  B = b*A + c*A@A ;  X = a*X + B@X
 //   tall (rows >  cols):  A = X^T X ;  B = b*A + c*A@A ;  X = a*X + X@B
-// Each GEMM multiplies BF16 operands with FP32 accumulation and rounds its
-// output (including the alpha/beta combination) to BF16 once. `row_blocks`
+// BF16: each GEMM multiplies BF16 operands with FP32 accumulation and rounds
+// its output (including the alpha/beta combination) to BF16 once. FP32: FP32
+// GEMMs (TF32 only where torch allows it for its own FP32 GEMMs). `row_blocks`
 // (>= 1; 0 for the default) splits A and A@A into block rows of which only the
 // upper block triangle is multiplied (csrc/common/polar_plan.h).
-void polar_express_bf16(const at::Tensor& x, const std::vector<std::array<float, 3>>& coefficients,
-                        const PolarExpressWorkspace& workspace, int64_t row_blocks = 0);
+void polar_express(const at::Tensor& x, const std::vector<std::array<float, 3>>& coefficients,
+                   const PolarExpressWorkspace& workspace, int64_t row_blocks = 0);
 
 }  // namespace cuda
 }  // namespace muon_ext
