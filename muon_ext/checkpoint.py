@@ -12,7 +12,6 @@ be loaded before or after (docs/design.md, "Checkpoints").
 from __future__ import annotations
 
 import copy
-import math
 from typing import Dict, List
 
 import torch

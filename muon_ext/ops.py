@@ -77,15 +77,9 @@ def adamw_step(
     lists = _lists("adamw_step", params=params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs,
                    masters=masters, steps=steps)
     lr_value, lr_tensor = _split_lr("adamw_step", lr, lists)
-    try:
-        _entry("adamw_step", params[0])(
-            *lists.values(), lr=lr_value, lr_tensor=lr_tensor, beta1=float(beta1), beta2=float(beta2),
-            eps=float(eps), weight_decay=float(weight_decay), adam_w_mode=bool(adam_w_mode),
-            bias_correction=bool(bias_correction), inv_scale=inv_scale, found_inf=found_inf,
-        )
-    except (TypeError, RuntimeError):  # how pybind / the dispatcher refuse an argument they cannot convert
-        _raise_for_bad_entry("adamw_step", lists, inv_scale=inv_scale, found_inf=found_inf)
-        raise
+    _call("adamw_step", _entry("adamw_step", params[0]), lists, lr=lr_value, lr_tensor=lr_tensor, beta1=float(beta1),
+          beta2=float(beta2), eps=float(eps), weight_decay=float(weight_decay), adam_w_mode=bool(adam_w_mode),
+          bias_correction=bool(bias_correction), inv_scale=inv_scale, found_inf=found_inf)
 
 
 def muon_step(
@@ -137,17 +131,12 @@ def muon_step(
     lists = _lists("muon_step", params=params, grads=grads, momentum_buffers=momentum_buffers,
                    second_momentum_buffers=second_momentum_buffers, masters=masters)
     lr_value, lr_tensor = _split_lr("muon_step", lr, lists)
-    try:
-        _entry("muon_step", params[0])(
-            *lists.values(), lr=lr_value, lr_tensor=lr_tensor, momentum=float(momentum), nesterov=bool(nesterov),
-            beta2=None if beta2 is None else float(beta2), weight_decay=float(weight_decay), ns_steps=int(ns_steps),
-            ns_coefficients=_flat_coefficients("muon_step", ns_coefficients, ns_steps), lr_scale=str(lr_scale),
-            inv_scale=inv_scale, found_inf=found_inf, max_workspace_bytes=int(max_workspace_bytes),
-            polar_row_blocks=_optional_int(polar_row_blocks, "polar_row_blocks"), polar_dtype=str(polar_dtype),
-        )
-    except (TypeError, RuntimeError):  # how pybind / the dispatcher refuse an argument they cannot convert
-        _raise_for_bad_entry("muon_step", lists, inv_scale=inv_scale, found_inf=found_inf)
-        raise
+    _call("muon_step", _entry("muon_step", params[0]), lists, lr=lr_value, lr_tensor=lr_tensor,
+          momentum=float(momentum), nesterov=bool(nesterov), beta2=None if beta2 is None else float(beta2),
+          weight_decay=float(weight_decay), ns_steps=int(ns_steps),
+          ns_coefficients=_flat_coefficients("muon_step", ns_coefficients, ns_steps), lr_scale=str(lr_scale),
+          inv_scale=inv_scale, found_inf=found_inf, max_workspace_bytes=int(max_workspace_bytes),
+          polar_row_blocks=_optional_int(polar_row_blocks, "polar_row_blocks"), polar_dtype=str(polar_dtype))
 
 
 def muon_momentum(
@@ -168,12 +157,8 @@ def muon_momentum(
     if not _has_work("muon_momentum", updates, grads=grads, momentum_buffers=momentum_buffers, base="updates"):
         return
     lists = _lists("muon_momentum", grads=grads, momentum_buffers=momentum_buffers, updates=updates)
-    try:
-        _ops.muon_momentum(*lists.values(), momentum=float(momentum), nesterov=bool(nesterov), inv_scale=inv_scale,
-                           found_inf=found_inf)
-    except (TypeError, RuntimeError):  # how pybind / the dispatcher refuse an argument they cannot convert
-        _raise_for_bad_entry("muon_momentum", lists, inv_scale=inv_scale, found_inf=found_inf)
-        raise
+    _call("muon_momentum", _ops.muon_momentum, lists, momentum=float(momentum), nesterov=bool(nesterov),
+          inv_scale=inv_scale, found_inf=found_inf)
 
 
 def muon_orthogonalize(
@@ -198,17 +183,11 @@ def muon_orthogonalize(
                      base="updates", optional=("second_momentum_buffers",)):
         return
     lists = _lists("muon_orthogonalize", updates=updates, second_momentum_buffers=second_momentum_buffers)
-    try:
-        _ops.muon_orthogonalize(
-            *lists.values(), beta2=None if beta2 is None else float(beta2), ns_steps=int(ns_steps),
-            ns_coefficients=_flat_coefficients("muon_orthogonalize", ns_coefficients, ns_steps),
-            max_workspace_bytes=int(max_workspace_bytes),
-            polar_row_blocks=_optional_int(polar_row_blocks, "polar_row_blocks"), polar_dtype=str(polar_dtype),
-            found_inf=found_inf,
-        )
-    except (TypeError, RuntimeError):  # how pybind / the dispatcher refuse an argument they cannot convert
-        _raise_for_bad_entry("muon_orthogonalize", lists, found_inf=found_inf)
-        raise
+    _call("muon_orthogonalize", _ops.muon_orthogonalize, lists, beta2=None if beta2 is None else float(beta2),
+          ns_steps=int(ns_steps), ns_coefficients=_flat_coefficients("muon_orthogonalize", ns_coefficients, ns_steps),
+          max_workspace_bytes=int(max_workspace_bytes),
+          polar_row_blocks=_optional_int(polar_row_blocks, "polar_row_blocks"), polar_dtype=str(polar_dtype),
+          found_inf=found_inf)
 
 
 def muon_apply(
@@ -238,12 +217,8 @@ def muon_apply(
         matrix_shape = tuple(params[0].shape[-2:])
     rows, cols = (int(v) for v in matrix_shape)
     lr_value, lr_tensor = _split_lr("muon_apply", lr, lists)
-    try:
-        _ops.muon_apply(*lists.values(), lr=lr_value, lr_tensor=lr_tensor, weight_decay=float(weight_decay),
-                        lr_scale=str(lr_scale), rows=rows, cols=cols, found_inf=found_inf)
-    except (TypeError, RuntimeError):  # how pybind / the dispatcher refuse an argument they cannot convert
-        _raise_for_bad_entry("muon_apply", lists, found_inf=found_inf)
-        raise
+    _call("muon_apply", _ops.muon_apply, lists, lr=lr_value, lr_tensor=lr_tensor, weight_decay=float(weight_decay),
+          lr_scale=str(lr_scale), rows=rows, cols=cols, found_inf=found_inf)
 
 
 def split_master(
@@ -312,18 +287,27 @@ def _require_tensor(op: str, name: str, value) -> torch.Tensor:
     return value
 
 
-def _raise_for_bad_entry(op: str, lists: dict, **optional) -> None:
-    """After a call failed: where an argument or list entry is not a tensor,
-    the error was pybind's or the dispatcher's generic conversion error (a
-    signature dump), so raise one naming the op, argument and index instead.
-    Looking only after a failure costs the common path nothing."""
-    for name, entries in lists.items():
-        for i, value in enumerate(entries):
-            if not isinstance(value, torch.Tensor):
-                raise TypeError(f"{op}: {name}[{i}] must be a tensor, got {type(value).__name__}") from None
-    for name, value in optional.items():
-        if value is not None and not isinstance(value, torch.Tensor):
-            raise TypeError(f"{op}: {name} must be a tensor or None, got {type(value).__name__}") from None
+_OPTIONAL_TENSORS = ("inv_scale", "found_inf")
+
+
+def _call(op: str, fn, lists: dict, **settings) -> None:
+    """fn(*lists, **settings). Where it fails because an argument or list
+    entry is not a tensor, the error was pybind's or the dispatcher's generic
+    conversion error (a signature dump), so raise one naming the op, argument
+    and index instead. Looking only after a failure costs the common path
+    nothing."""
+    try:
+        fn(*lists.values(), **settings)
+    except (TypeError, RuntimeError):
+        for name, entries in lists.items():
+            for i, value in enumerate(entries):
+                if not isinstance(value, torch.Tensor):
+                    raise TypeError(f"{op}: {name}[{i}] must be a tensor, got {type(value).__name__}") from None
+        for name in _OPTIONAL_TENSORS:
+            value = settings.get(name)
+            if value is not None and not isinstance(value, torch.Tensor):
+                raise TypeError(f"{op}: {name} must be a tensor or None, got {type(value).__name__}") from None
+        raise
 
 
 def cpu_bf16_gemm() -> str:

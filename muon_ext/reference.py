@@ -256,6 +256,8 @@ def muon_step(
     `polar_dtype` "bfloat16" rounds every Polar-Express GEMM's operands and
     output to BF16 (FP32 accumulation), "float32" keeps them FP32.
     """
+    if polar_dtype not in ("bfloat16", "float32"):
+        raise ValueError(f"unknown polar_dtype {polar_dtype!r}")
     if found_inf is not None and float(found_inf) != 0.0:
         return
     coefficients = list(POLAR_EXPRESS_COEFFICIENTS if ns_coefficients is None else ns_coefficients)
@@ -273,8 +275,6 @@ def muon_step(
         u = _lerp(g, m, mu) if nesterov else m.clone()
         sum_sq = (u.double() ** 2).sum(dim=(-2, -1), keepdim=True).float()
         x = u * (_f32(1.0) / (_sqrt(sum_sq) * _f32(1.02) + _f32(1e-6)))
-        if polar_dtype not in ("bfloat16", "float32"):
-            raise ValueError(f"unknown polar_dtype {polar_dtype!r}")
         x = polar_express(x, coefficients[:ns_steps], bf16=polar_dtype == "bfloat16")
         if beta2 is not None:
             x = x * _normuon_multipliers(x, second_momentum_buffers[i], beta2)

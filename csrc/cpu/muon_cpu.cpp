@@ -197,16 +197,17 @@ int64_t align_up(int64_t n, int64_t element_size) {
   return (n + per_line - 1) / per_line * per_line;
 }
 
-// Rounds the FP32 values of a row-major view to BF16 (nearest even) in place:
-// the output rounding of a BF16 GEMM, applied after an FP32 GEMM of BF16 values.
+// Rounds n FP32 values to BF16 (nearest even) in place: the output rounding
+// of a BF16 GEMM, applied after an FP32 GEMM of BF16 values.
+void round_to_bf16(float* values, int64_t n) {
+  for (int64_t k = 0; k < n; ++k) values[k] = bf16_bits_to_float(float_to_bf16_bits_rne(values[k]));
+}
+
+// The same on a row-major view (a GEMM's output panel).
 void round_to_bf16(const at::Tensor& view) {
   TORCH_INTERNAL_ASSERT(view.dim() == 2 && view.stride(1) == 1);
   float* base = view.data_ptr<float>();
-  const int64_t rows = view.size(0), cols = view.size(1), ld = view.stride(0);
-  for (int64_t r = 0; r < rows; ++r) {
-    float* row = base + r * ld;
-    for (int64_t c = 0; c < cols; ++c) row[c] = bf16_bits_to_float(float_to_bf16_bits_rne(row[c]));
-  }
+  for (int64_t r = 0; r < view.size(0); ++r) round_to_bf16(base + r * view.stride(0), view.size(1));
 }
 
 }  // namespace
@@ -256,9 +257,8 @@ void polar_express(at::Tensor& x, const std::vector<std::array<float, 3>>& coeff
     if (!bf16) return;
     float* xs = x.data_ptr<float>();
     const int64_t n = rows * cols;
-    for_each_matrix_range(count, n, [&](int64_t j, int64_t begin, int64_t end) {
-      for (int64_t k = begin; k < end; ++k) xs[j * n + k] = bf16_bits_to_float(float_to_bf16_bits_rne(xs[j * n + k]));
-    });
+    for_each_matrix_range(count, n,
+                          [&](int64_t j, int64_t begin, int64_t end) { round_to_bf16(xs + j * n + begin, end - begin); });
     return;
   }
   const bool native = bf16 && polar_bf16_gemm() == PolarGemm::kNativeBf16;
