@@ -458,6 +458,8 @@ void fold_multipliers(float* xs, int64_t count, int64_t rows, int64_t cols, cons
 }  // namespace
 
 void muon_step(const MuonBucket& b, const MuonStepOptions& o) {
+  // Decided (and MUON_EXT_CPU_BF16_GEMM checked) before anything is written.
+  if (o.polar_dtype == PolarDtype::kBFloat16) polar_bf16_gemm();
   const int64_t n = b.matrix_numel();
   std::vector<MatrixRef> all;
   for (size_t i = 0; i < b.params.size(); ++i) {
@@ -513,6 +515,7 @@ void muon_momentum(const MuonMomentumArgs& args, float inv_scale) {
 }
 
 void muon_orthogonalize(const MuonOrthogonalizeArgs& args) {
+  if (args.polar_dtype == PolarDtype::kBFloat16) polar_bf16_gemm();  // as in muon_step
   const int64_t rows = args.rows, cols = args.cols, n = args.matrix_numel(), len = args.stat_length();
   const int64_t items = items_per_matrix(n);
   std::vector<double> partial;

@@ -297,3 +297,20 @@ def test_polar_dtype_is_checked():
         ops.muon_step(*s.args(make_muon_grads([(8, 8)])), lr=0.1, polar_dtype="float16")
     for a, b in zip(s.tensors(), before):
         assert_bit_equal(a, b)
+
+
+def test_a_bad_cpu_bf16_gemm_setting_is_refused_before_any_write():
+    code = """
+import torch
+from muon_ext import ops
+p, g, m = torch.randn(8, 8), torch.randn(8, 8), torch.randn(8, 8)
+before = [t.clone() for t in (p, m)]
+try:
+    ops.muon_step([p], [g], [m], lr=0.1, beta2=None)
+except RuntimeError as e:
+    assert "MUON_EXT_CPU_BF16_GEMM" in str(e), e
+    assert all(torch.equal(a, b) for a, b in zip((p, m), before)), "written before the refusal"
+    print("refused")
+"""
+    proc = run_python(code, env={**os.environ, "MUON_EXT_CPU_BF16_GEMM": "fast"})
+    assert proc.returncode == 0 and "refused" in proc.stdout, proc.stderr[-3000:]
