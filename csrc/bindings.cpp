@@ -167,9 +167,14 @@ const char* check_state(const at::Tensor& p, Py_ssize_t i, PyObject* dict, const
 // index, whether every grad is present, contiguous and of one dtype, the grads,
 // {key: the state entries, or None where one is missing}).  The lists let the
 // caller hand the kernels what was checked without looking it up again.
+//
+// `param_data` false: the kernels neither read nor write the params' data
+// (a param writer stores them from the FP32 master), so their storage may be
+// released and they are not recorded in `ranges`.
 py::tuple check_bucket(const py::list& params, const py::object& grad_attr, const py::object& state,
                        at::ScalarType dtype, at::Device device, const py::tuple& rules_in, int64_t rows,
-                       int64_t cols, const std::string& matrix_view, checks::MemoryRanges* ranges, int64_t bucket) {
+                       int64_t cols, const std::string& matrix_view, checks::MemoryRanges* ranges, int64_t bucket,
+                       bool param_data) {
   std::vector<StateRule> rules;
   for (const py::handle item : rules_in) {
     const py::tuple t = item.cast<py::tuple>();
@@ -214,14 +219,14 @@ py::tuple check_bucket(const py::list& params, const py::object& grad_attr, cons
       bad = "param_contiguous";
     } else if (view != MatrixView::kNone && matrix_shape(p, view) != std::make_pair(rows, cols)) {
       bad = "param_shape";
-    } else if (!checks::storage_holds(p)) {
+    } else if (param_data && !checks::storage_holds(p)) {
       bad = "param_storage";
     }
     if (bad != nullptr) {
       fail(i, bad);
       break;
     }
-    if (ranges != nullptr) ranges->add(p, bucket, i);
+    if (ranges != nullptr && param_data) ranges->add(p, bucket, i);
 
     const py::object entry = state_of(state.ptr(), param);
     if (entry && !PyDict_Check(entry.ptr())) {
@@ -380,7 +385,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("first_overlap", &muon_ext::first_overlap);
   m.def("check_bucket", &muon_ext::check_bucket, py::arg("params"), py::arg("grad_attr"), py::arg("state"),
         py::kw_only(), py::arg("dtype"), py::arg("device"), py::arg("rules"), py::arg("rows"), py::arg("cols"),
-        py::arg("matrix_view"), py::arg("ranges"), py::arg("bucket"),
+        py::arg("matrix_view"), py::arg("ranges"), py::arg("bucket"), py::arg("param_data") = true,
         "The optimizer's metadata check of one bucket; see csrc/bindings.cpp.");
   m.def("storage_problem", &muon_ext::checks::storage_problem, py::arg("tensor"),
         "What is wrong with a tensor's storage for its view, or '' when it holds every element.");

@@ -8,7 +8,7 @@ table (`muon_ext.schema.MODES`), and tests hold the two to the same names.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Literal, NamedTuple
+from typing import Any, List, Literal, NamedTuple, Optional
 
 import torch
 
@@ -33,6 +33,7 @@ class ParamInfo:
     kind: Kind
     master: MasterMode
     name: str  # for messages
+    writer: Optional[Any] = None  # writers.WriterEntry: stores the param from its FP32 master (master is "fp32")
 
 
 @dataclass
@@ -42,6 +43,7 @@ class Bucket:
     group: int
     kind: Kind
     params: List[torch.nn.Parameter]
+    writes_params: bool = True  # False: params with writers; the kernels update their FP32 masters only
 
 
 class WorkItem(NamedTuple):

@@ -20,6 +20,7 @@ from ._types import Bucket, GradAttr, ParamInfo, WorkItem
 from .amp import capturing, check_step_lr
 from .schema import check_hyper
 from .state import master_mode
+from .writers import check_released
 
 __all__ = ["StepPlanner", "PlannedItem"]
 
@@ -106,10 +107,13 @@ class StepPlanner:
         for b, (bucket, spec) in enumerate(zip(buckets, self._specs)):
             group = groups[bucket.group]
             view = group.get("matrix_view", "")
+            if not bucket.writes_params:
+                for p in bucket.params:
+                    check_released(infos[id(p)], "")
             bad, problem, key, other, uniform, grads, state = _C.check_bucket(
                 bucket.params, grad_attr, tensors, dtype=spec.dtype, device=spec.device,
                 rules=_step_rules(bucket, group, infos), rows=spec.rows, cols=spec.cols, matrix_view=view,
-                ranges=ranges, bucket=b)
+                ranges=ranges, bucket=b, param_data=bucket.writes_params)
             if bad >= 0:
                 other_info = infos[id(bucket.params[other])] if other >= 0 else None
                 self._raise(problem, infos[id(bucket.params[bad])], key, other_info, spec, tensors, grad_attr)
@@ -144,9 +148,10 @@ class StepPlanner:
             rules = _master_rule(info, reading) if info.master != "none" else ()
             if all_state:
                 rules = _moment_rules(info.kind, group, required=False) + rules
+            check_released(info, "")
             bad, problem, key, other, _, _, _ = _C.check_bucket(
                 [p], None, tensors, dtype=p.dtype, device=p.device, rules=rules, rows=rows, cols=cols,
-                matrix_view=view, ranges=None, bucket=0)
+                matrix_view=view, ranges=None, bucket=0, param_data=info.writer is None)
             if bad >= 0:
                 self._raise(problem, info, key, None, _Spec(p.dtype, p.device, rows, cols), tensors, "")
 
@@ -167,10 +172,11 @@ class StepPlanner:
                     empty.append(info)  # nothing to update; the kernels refuse zero-sized matrices
                     continue
                 shape = matrix_shape(p, group["matrix_view"], info.name) if info.kind == "muon" else None
-                key = (info.group, p.device, p.dtype, info.master, shape)
-                buckets.setdefault(key, Bucket(info.group, info.kind, [])).params.append(p)
+                writes = info.writer is None
+                key = (info.group, p.device, p.dtype, info.master, writes, shape)
+                buckets.setdefault(key, Bucket(info.group, info.kind, [], writes)).params.append(p)
             self._buckets = list(buckets.values())
-            self._specs = [_Spec(dtype, device, *(shape or (0, 0))) for (_, device, dtype, _, shape) in buckets]
+            self._specs = [_Spec(dtype, device, *(shape or (0, 0))) for (_, device, dtype, _, _, shape) in buckets]
             self._empty = empty
             self._signature = signature
         return self._buckets
@@ -179,8 +185,8 @@ class StepPlanner:
         """A param cast after construction (model.bfloat16()) keeps the master
         mode of its old dtype: its updates would be lost or refused."""
         p = info.param
-        if master_mode(p, self.master_weights, self.store_param_remainders) == info.master:
-            return
+        if info.writer is not None or master_mode(p, self.master_weights, self.store_param_remainders) == info.master:
+            return  # a param with a writer keeps an FP32 master whatever its dtype
         now = f"{info.name} is {p.dtype} but was"
         if info.master == "none":
             raise TypeError(
@@ -275,7 +281,8 @@ def _param_error(problem: str, label: str, p: torch.Tensor, spec: _Spec) -> Exce
                           "params must keep their shape (resize them before building the optimizer)")
     if problem == "param_storage":
         return ValueError(f"{label}: {_C.storage_problem(p)}; restore the param's storage before the optimizer "
-                          "reads or writes it")
+                          "reads or writes it, or (storage released on purpose) register a param writer for it with "
+                          "storage=param.untyped_storage()")
     if problem == "param_layout":
         return TypeError(f"{label} has layout {p.layout}; params must be dense (strided)")
     return TypeError(f"{label} is a {type(p).__name__}, not a tensor")

@@ -20,6 +20,7 @@ from ._shapes import second_moment_shape
 from ._types import ParamInfo
 from .schema import check_hyper, check_lr_value
 from .state import OptimizerState
+from .writers import storage_held
 
 __all__ = ["state_dict", "load_state_dict"]
 
@@ -136,6 +137,9 @@ def _check_entry(info: ParamInfo, entry: Dict, group: Dict) -> None:
             int16_ok = value.dtype == torch.int16 and p.dtype == torch.bfloat16
             if value.dtype != torch.float32 and not int16_ok:
                 raise TypeError(f"{where}: expected float32 (or int16 remainders for bfloat16 params), got {value.dtype}")
+            if value.dtype == torch.int16 and not storage_held(p):
+                raise ValueError(f"{where}: int16 remainders complete the bfloat16 param's values, and its storage "
+                                 "is released; load an FP32 master (a MuonAdamW state dict) or restore the storage")
             expected = tuple(p.shape)
         else:
             if not value.dtype.is_floating_point:
@@ -171,7 +175,9 @@ def _load_entry(states: OptimizerState, info: ParamInfo, entry: Dict, group: Dic
         else:
             state[key] = value.to(p.device) if isinstance(value, torch.Tensor) else value
     master = entry.get("master_param")
-    if master is None and info.master == "fp32":
+    if master is None and info.writer is not None:
+        pass  # the param (released or quantized) holds no master to read: its master stays as it is
+    elif master is None and info.master == "fp32":
         # No saved master: the param is the master, whether the model weights
         # are loaded before or after this call; read it at the next use.
         states.defer_master_read(info)

@@ -13,7 +13,8 @@ from typing import Callable, Dict, Iterable, List, Optional
 
 import torch
 
-from . import checkpoint, ops, schema
+from . import adapters as adapter_loader
+from . import checkpoint, ops, schema, writers
 from ._shapes import as_matrices
 from ._types import ParamInfo, WorkItem
 from .amp import GradScalerInputs, capturing, device_lr
@@ -38,6 +39,9 @@ class MuonAdamW(torch.optim.Optimizer):
             params' device (schedulers update it in place), so that a step can
             be captured in a CUDA graph; a float lr there would be baked in.
         max_workspace_bytes: bound on Muon's transient scratch per chunk.
+        adapters: bind the installed adapters (entry points of the group
+            "muon_ext.adapters", each called as `adapter(optimizer)` after
+            construction); False skips them.
     Works with torch.amp.GradScaler: grads are unscaled in the kernels and a
     found inf skips the whole step.
     """
@@ -53,6 +57,7 @@ class MuonAdamW(torch.optim.Optimizer):
         grad_attr: str = "grad",
         capturable: bool = False,
         max_workspace_bytes: int = ops.DEFAULT_MAX_WORKSPACE_BYTES,
+        adapters: bool = True,
     ):
         schema.check_options(master_weights, grad_attr, max_workspace_bytes)
         self.master_weights = master_weights
@@ -68,9 +73,16 @@ class MuonAdamW(torch.optim.Optimizer):
         if not groups or not all(isinstance(g, dict) for g in groups):
             raise TypeError("MuonAdamW takes a list of param groups with a 'kind' each; "
                             "muon_ext.param_groups(model) builds them")
+        if not isinstance(adapters, bool):
+            raise TypeError(f"adapters must be True or False, got {adapters!r}")
         super().__init__(groups, defaults={})
+        if adapters:
+            adapter_loader.bind_installed(self)
 
     def __getstate__(self) -> dict:
+        if any(info.writer is not None and not info.writer.default for info in self._states.infos.values()):
+            raise TypeError("an optimizer with registered param writers cannot be copied or pickled (a writer is "
+                            "bound to its param and storage): unregister them first, or save state_dict()")
         state = super().__getstate__()
         state.update(master_weights=self.master_weights, store_param_remainders=self.store_param_remainders,
                      grad_attr=self.grad_attr, max_workspace_bytes=self.max_workspace_bytes,
@@ -148,7 +160,7 @@ class MuonAdamW(torch.optim.Optimizer):
             else:
                 self._muon(item, state, inv_scale, found_inf)
             self._scatter(item)
-            self._write(item)
+            self._write(item, state.get("master_param"), found_inf)
             self._release(item)
         return loss
 
@@ -161,33 +173,48 @@ class MuonAdamW(torch.optim.Optimizer):
     def _scatter(self, item: WorkItem) -> None:
         """Distributed: send updated matrices back to the ranks that hold their shards."""
 
-    def _write(self, item: WorkItem) -> None:
-        """Post-kernel bookkeeping on the written params; param writers (e.g. FP8) attach here."""
+    def _write(self, item: WorkItem, masters: Optional[List[torch.Tensor]] = None, found_inf=None) -> None:
+        """After the kernels: params with writers are stored from `masters`
+        (the FP32 masters the kernels just wrote), and the written params'
+        autograd versions move on."""
+        if not item.bucket.writes_params:
+            for p, master in zip(item.params, masters):
+                writers.run_writer(self._states.info(p), master, found_inf)
         torch.autograd.graph.increment_version(item.params)
 
     def _release(self, item: WorkItem) -> None:
         """Offload: drain the item's staged state back to CPU memory and free its slots."""
 
+    @staticmethod
+    def _kernel_params(item: WorkItem, state: Dict[str, Optional[List[torch.Tensor]]]):
+        """(params, masters) as the kernels take them: params with writers are
+        not touched, their FP32 masters are updated as FP32 params would be."""
+        if item.bucket.writes_params:
+            return item.params, state.get("master_param", ())
+        return state["master_param"], ()
+
     def _adamw(self, item: WorkItem, state: Dict[str, Optional[List[torch.Tensor]]], inv_scale, found_inf) -> None:
-        group, params = item.group, item.params
+        group = item.group
+        params, masters = self._kernel_params(item, state)
         beta1, beta2 = group["betas"]
         ops.adamw_step(
             params, item.grads, state["exp_avg"], state["exp_avg_sq"], state["step"],
-            masters=state.get("master_param", ()), lr=group["lr"], beta1=beta1,
+            masters=masters, lr=group["lr"], beta1=beta1,
             beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], adam_w_mode=group["adam_w_mode"],
             bias_correction=group["bias_correction"], inv_scale=inv_scale, found_inf=found_inf,
         )
 
     def _muon(self, item: WorkItem, state: Dict[str, Optional[List[torch.Tensor]]], inv_scale, found_inf) -> None:
-        group, params, view = item.group, item.params, item.group["matrix_view"]
+        group, view = item.group, item.group["matrix_view"]
+        params, masters = self._kernel_params(item, state)
         second_moments = []
         if group["beta2"] is not None:
             second_moments = state["second_momentum_buffer"]
             if second_moments is None:  # beta2 was switched on after construction
-                for p in params:
+                for p in item.params:
                     self._states.init(self._states.info(p), group)
-                second_moments = [self.state[p]["second_momentum_buffer"] for p in params]
-        grads, moms, masters = item.grads, state["momentum_buffer"], state.get("master_param", ())
+                second_moments = [self.state[p]["second_momentum_buffer"] for p in item.params]
+        grads, moms = item.grads, state["momentum_buffer"]
         if view == "flatten":  # the only view that is not the tensors themselves
             params, grads, moms, masters = ([as_matrices(t, view) for t in ts] for ts in (params, grads, moms, masters))
         ops.muon_step(
@@ -245,6 +272,56 @@ class MuonAdamW(torch.optim.Optimizer):
         mode for the dtype, state dtypes, shapes and devices), naming the param."""
         self._planner.check_params(infos, self.param_groups, self._states.tensors, all_state=all_state,
                                    reading=reading)
+
+    # ------------------------------------------------------------------
+    # Param writers
+    # ------------------------------------------------------------------
+
+    @torch.no_grad()
+    def register_param_writer(self, param: torch.nn.Parameter, writer: Callable, *, storage=None) -> None:
+        """Store `param` through `writer(param, master, stream, found_inf)`
+        instead of the built-in low-precision writeback (see muon_ext.writers
+        for the call contract). The param gets an FP32 master tensor,
+        converted exactly from its current master. With `storage` (the param's
+        own `param.untyped_storage()`), that storage may be released
+        (`resize_(0)`) while the optimizer steps, updates or loads the param.
+        Everything is validated before anything changes."""
+        info = self._states.info(param)
+        writers.check_registration(info, writer, storage)
+        if capturing():
+            raise RuntimeError("register_param_writer: not allowed during CUDA graph capture")
+        released = not writers.storage_held(param)
+        if released and info.master != "fp32":
+            kept = "int16 remainders complete" if info.master == "remainder" else "the param is"
+            raise ValueError(f"register_param_writer: {info.name}: its storage is released, and its master ({kept} "
+                             "its values) cannot be read; register the writer before releasing the storage")
+        if not released:
+            self._check_params([info], all_state=False, reading=True)
+            self._states.resolve_pending()
+        if self._states.is_pending(info):
+            raise ValueError(f"register_param_writer: {info.name}: its master, loaded from a checkpoint, waits for "
+                             "the param's values, and its storage is released; restore the storage first")
+        self._states.set_writer(info, writers.WriterEntry(writer, storage))
+        self._planner.invalidate()
+
+    @torch.no_grad()
+    def unregister_param_writer(self, param: torch.nn.Parameter) -> None:
+        """Remove the param's writer: its dtype's master mode again (remainders
+        re-derived exactly) and the param written from its master. The param's
+        storage must be held again."""
+        info = self._states.info(param)
+        if info.writer is None:
+            raise ValueError(f"unregister_param_writer: {info.name} has no registered writer")
+        if info.writer.default:
+            raise ValueError(f"unregister_param_writer: {info.name} is a quantized param: it is always written "
+                             "through its quantize_")
+        if capturing():
+            raise RuntimeError("unregister_param_writer: not allowed during CUDA graph capture")
+        if not writers.storage_held(param):
+            raise ValueError(f"unregister_param_writer: {info.name}: its storage is released, and without a writer "
+                             "the optimizer writes the param itself; restore the storage first")
+        self._states.clear_writer(info)
+        self._planner.invalidate()
 
     # ------------------------------------------------------------------
     # Checkpoints

@@ -17,6 +17,7 @@ import torch
 from . import _C, ops
 from ._shapes import matrix_shape
 from ._types import Kind, is_dtensor
+from .writers import is_quantized
 
 __all__ = [
     "MUON_DEFAULTS", "ADAMW_DEFAULTS", "DEFAULTS", "SUPPORTED_DTYPES", "Range", "RANGES", "MODES",
@@ -244,9 +245,12 @@ def _check_param_type(p: torch.Tensor, where: str) -> None:
     if not p.dtype.is_floating_point:
         raise TypeError(f"{where} has non-floating dtype {p.dtype}")
     if p.dtype not in SUPPORTED_DTYPES:
-        reason = "FP8 / quantized params are not supported yet" if p.element_size() == 1 else "unsupported dtype"
+        reason = "unsupported dtype"
+        if p.element_size() == 1:
+            reason = ("plain FP8 params are not supported (use a quantized tensor subclass with dequantize() and "
+                      "quantize_(src), or a BF16 param with a param writer)")
         raise TypeError(f"{where} has dtype {p.dtype}: {reason}; supported: float32, bfloat16, float16")
     base = p.data if isinstance(p, torch.nn.Parameter) else p
-    if type(base) is not torch.Tensor:
-        raise TypeError(f"{where} is a {type(base).__name__}: tensor subclasses (quantized params) are not "
-                        "supported yet")
+    if type(base) is not torch.Tensor and not is_quantized(base):
+        raise TypeError(f"{where} is a {type(base).__name__}: tensor subclasses are supported only as quantized "
+                        "params (with dequantize() and quantize_(src) methods)")

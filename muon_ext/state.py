@@ -11,6 +11,7 @@ from . import ops
 from ._shapes import second_moment_shape
 from ._types import MasterMode, ParamInfo, is_dtensor
 from .schema import label
+from .writers import WriterEntry, is_quantized, quantized_writer, run_writer, storage_held
 
 __all__ = ["master_mode", "check_master_values", "is_rounding_of", "OptimizerState"]
 
@@ -78,9 +79,15 @@ class OptimizerState:
         """Adds group `index`'s params to the table (their state is not created); returns their infos."""
         params, kind = group["params"], group["kind"]
         names = list(names or ()) or [None] * len(params)
-        infos = [ParamInfo(p, index, i, kind, master_mode(p, self.master_weights, self.store_param_remainders),
-                           label(index, kind, i, name))
-                 for i, (p, name) in enumerate(zip(params, names))]
+        infos = []
+        for i, (p, name) in enumerate(zip(params, names)):
+            if is_quantized(p):  # its FP32 master is kept beside it and quantize_ writes it
+                info = ParamInfo(p, index, i, kind, "fp32", label(index, kind, i, name),
+                                 WriterEntry(quantized_writer, default=True))
+            else:
+                info = ParamInfo(p, index, i, kind, master_mode(p, self.master_weights, self.store_param_remainders),
+                                 label(index, kind, i, name))
+            infos.append(info)
         for info in infos:
             self.infos[id(info.param)] = info
         return infos
@@ -109,8 +116,9 @@ class OptimizerState:
                 state.setdefault("second_momentum_buffer", zeros(second_moment_shape(p, group["matrix_view"])))
         if info.master == "remainder":
             state.setdefault("master_param", torch.zeros(p.shape, dtype=torch.int16, device=p.device))
-        elif info.master == "fp32":
-            state.setdefault("master_param", p.detach().float().clone())
+        elif info.master == "fp32" and "master_param" not in state:
+            values = p.dequantize() if is_quantized(p) else p.detach()
+            state["master_param"] = values.float().clone()
 
     def masters(self, params: Iterable[torch.Tensor]) -> List[torch.Tensor]:
         """The separate masters (FP32 or int16 remainders) of `params`, as the kernels take them."""
@@ -120,9 +128,13 @@ class OptimizerState:
     # -- masters ----------------------------------------------------------
 
     def write_master(self, info: ParamInfo, master: torch.Tensor) -> None:
-        """Writes an FP32 master (contiguous, on the param's device) into the param and its state."""
+        """Writes an FP32 master (contiguous, on the param's device) into the
+        param and its state; a param with a writer is written by its writer."""
         p = info.param
-        if info.master == "remainder":
+        if info.writer is not None:
+            self.tensors[p]["master_param"].copy_(master)
+            run_writer(info, self.tensors[p]["master_param"], None)
+        elif info.master == "remainder":
             ops.split_master(master, p.data, self.tensors[p]["master_param"])
         else:
             if info.master == "fp32":
@@ -147,6 +159,8 @@ class OptimizerState:
         afterwards do not replace it as long as they are a rounding of it."""
         self.write_master(info, master)
         p = info.param
+        if info.writer is not None:
+            return  # the param holds no rounding of the master for model weights to overwrite
         if info.master == "remainder":
             kept = p.detach().clone()  # with the remainder, the master; model weights may overwrite the param
         elif info.master == "fp32":
@@ -160,16 +174,41 @@ class OptimizerState:
         on the param's device): the master is the BF16 param, as the model
         weights leave it, merged with them."""
         p = info.param
-        if info.master == "remainder":
+        if info.writer is not None:  # the BF16 param is live (checked before loading): merge now
+            self.write_master(info, ops.merge_master(p.detach(), remainder))
+        elif info.master == "remainder":
             # The pair (param, remainder) is the master whenever it is read.
             self.tensors[p]["master_param"].copy_(remainder)
             self._pending.pop(id(p), None)
         else:
             self._pending[id(p)] = ("remainder", remainder.clone())
 
+    # -- writers ----------------------------------------------------------
+
+    def set_writer(self, info: ParamInfo, entry: WriterEntry) -> None:
+        """Gives the param a writer and an FP32 master tensor, converted exactly from its current master."""
+        master = self.read_master(info)
+        self.tensors[info.param]["master_param"] = master
+        info.master, info.writer = "fp32", entry
+
+    def clear_writer(self, info: ParamInfo) -> None:
+        """Removes the param's writer: its dtype's master mode again, the param written from its master."""
+        p, state = info.param, self.tensors[info.param]
+        master = state.pop("master_param")
+        info.master, info.writer = master_mode(p, self.master_weights, self.store_param_remainders), None
+        if info.master == "fp32":
+            state["master_param"] = master
+        elif info.master == "remainder":
+            state["master_param"] = torch.zeros(p.shape, dtype=torch.int16, device=p.device)
+        self.write_master(info, master)
+
     def defer_master_read(self, info: ParamInfo) -> None:
         """Marks the param's FP32 master to be re-read from the param at its next use."""
         self._pending[id(info.param)] = ("param", None)
+
+    def is_pending(self, info: ParamInfo) -> bool:
+        """Whether the param's master waits to be settled against the param (see the class docstring)."""
+        return id(info.param) in self._pending
 
     def resolve_pending(self) -> None:
         """Settles every pending master against its param as it is now
@@ -182,7 +221,7 @@ class OptimizerState:
             raise RuntimeError("masters loaded by load_state_dict are settled at their next use, which cannot be "
                                "captured in a CUDA graph: step once (or call get_full_parameter_master) before "
                                "capturing")
-        for key in [k for k in self._pending if _storage_holds(self.infos[k].param)]:
+        for key in [k for k in self._pending if storage_held(self.infos[k].param)]:
             kind, kept = self._pending[key]
             info = self.infos[key]
             p = info.param
@@ -258,11 +297,3 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.zeros(a.shape, dtype=torch.bool, device=a.device)
     kind = _INT_OF_SIZE[a.element_size()]
     return a.contiguous().view(kind) == b.contiguous().view(kind)
-
-
-def _storage_holds(t: torch.Tensor) -> bool:
-    """Whether `t`'s storage holds every element its view addresses."""
-    if t.numel() == 0:
-        return True
-    extent = t.storage_offset() + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride())) + 1
-    return t.untyped_storage().nbytes() >= extent * t.element_size()

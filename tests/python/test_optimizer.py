@@ -57,7 +57,7 @@ _GOOD = torch.nn.Parameter(torch.randn(6, 4))
 
 
 class _Subclass(torch.Tensor):
-    """Stands in for a quantized tensor subclass (e.g. TransformerEngine's Float8Tensor)."""
+    """A tensor subclass without the quantized protocol (dequantize() and quantize_(src)): refused."""
 
 
 def _bad_groups():

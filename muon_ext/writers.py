@@ -1,0 +1,145 @@
+"""Param writers: code that stores a param from its new FP32 master in place
+of the built-in low-precision writeback (docs/design.md, "Param writers").
+
+A writer is called as `writer(param, master, stream, found_inf)`:
+  * `param`: the nn.Parameter the optimizer owns (its storage may be released);
+  * `master`: its new FP32 master, read-only for the writer;
+  * `stream`: the CUDA stream to run on (the optimizer's current stream), None on the CPU;
+  * `found_inf`: None, or the step's one-element FP32 GradScaler flag on the
+    param's device; where it is nonzero the step was skipped and the writer
+    must leave its outputs as they are (checked on the device, no host sync).
+It runs once per param per step in which the param had a gradient, after the
+param's bucket was updated, and from `update_param` / `load_state_dict`.
+
+Quantized params in TransformerEngine's sense (a tensor subclass with
+`dequantize()` and `quantize_(src)`) get `quantize_` as their writer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from ._types import ParamInfo, is_dtensor
+
+__all__ = ["WriterEntry", "is_quantized", "quantized_writer", "check_registration", "check_released",
+           "storage_held", "run_writer"]
+
+
+@dataclass(frozen=True)
+class WriterEntry:
+    """A registered writer. `storage` is the storage named at registration (a
+    reference is kept, so the storage object cannot be freed and its identity
+    reused while registered); `default` marks a quantized param's own writer."""
+
+    writer: Callable
+    storage: Optional[torch.UntypedStorage] = None
+    default: bool = False
+
+
+def is_quantized(p) -> bool:
+    """Whether `p` follows the quantized-tensor protocol: a tensor subclass with `dequantize()` and `quantize_(src)`."""
+    return (isinstance(p, torch.Tensor) and type(p) not in (torch.Tensor, torch.nn.Parameter)
+            and callable(getattr(p, "quantize_", None)) and callable(getattr(p, "dequantize", None)))
+
+
+def quantized_writer(param, master: torch.Tensor, stream, found_inf: Optional[torch.Tensor]) -> None:
+    """The writer of a quantized param: `param.quantize_(master)`, passing the
+    GradScaler flag as `noop_flag` where `quantize_` takes one (as
+    TransformerEngine's do). Without it a skipped step re-quantizes the
+    unchanged master, which stores the same values again."""
+    with stream_context(stream):
+        if found_inf is not None and _takes_noop_flag(param.quantize_):
+            param.quantize_(master, noop_flag=found_inf)
+        else:
+            param.quantize_(master)
+
+
+def _takes_noop_flag(fn) -> bool:
+    try:
+        return "noop_flag" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # builtins without a signature
+        return False
+
+
+def stream_context(stream):
+    """Runs the enclosed code on `stream` (a CUDA stream), or as is for None."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def _storage_of(p: torch.Tensor) -> Optional[torch.UntypedStorage]:
+    """The param's storage, or None where it has none (a wrapper tensor subclass)."""
+    try:
+        return p.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _same_storage(a: torch.UntypedStorage, b: torch.UntypedStorage) -> bool:
+    # torch keeps one Python object per storage while it is referenced (the
+    # entry holds one), and that object survives resize_(0), unlike the data
+    # pointer: identity is the storage's identity.
+    return a is b
+
+
+def storage_held(p: torch.Tensor) -> bool:
+    """Whether `p`'s storage holds every element its view addresses (a released storage does not)."""
+    storage = _storage_of(p)
+    if storage is None or p.numel() == 0:
+        return True
+    extent = p.storage_offset() + sum((size - 1) * stride for size, stride in zip(p.shape, p.stride())) + 1
+    return storage.nbytes() >= extent * p.element_size()
+
+
+def check_registration(info: ParamInfo, writer, storage) -> None:
+    """Raises unless `writer` may be registered for the param: callable, none
+    registered yet, `storage` None or the param's own storage object, and a
+    param kind writers support. Reads and writes nothing."""
+    name = f"register_param_writer: {info.name}"
+    if not callable(writer):
+        raise TypeError(f"{name}: writer must be callable as writer(param, master, stream, found_inf), got "
+                        f"{type(writer).__name__}")
+    if info.writer is not None:
+        what = "its quantize_ writer (a quantized param)" if info.writer.default else "a writer"
+        raise ValueError(f"{name} already has {what}; unregister_param_writer(param) first")
+    if is_dtensor(info.param):
+        raise TypeError(f"{name}: writers for DTensor params are not supported")
+    if storage is not None:
+        if not isinstance(storage, torch.UntypedStorage):
+            raise TypeError(f"{name}: storage must be the param's torch.UntypedStorage (param.untyped_storage()), "
+                            f"got {type(storage).__name__}")
+        own = _storage_of(info.param)
+        if own is None or not _same_storage(own, storage):
+            raise ValueError(f"{name}: storage is not the param's own storage object (pass param.untyped_storage())")
+
+
+def check_released(info: ParamInfo, where: str) -> None:
+    """A param whose storage is released may be stepped, updated or loaded only
+    through a writer registered with `storage=` naming that same storage."""
+    p, entry = info.param, info.writer
+    if entry is not None and entry.default:
+        return  # a quantized param keeps its data in its own fields
+    if storage_held(p):
+        return
+    if entry is None:
+        return  # the step's own check names it (param_storage)
+    if entry.storage is None:
+        raise ValueError(f"{where}{info.name}: its storage is released and its writer was registered without "
+                         "storage=; register the writer with storage=param.untyped_storage() to accept that")
+    own = _storage_of(p)
+    if own is None or not _same_storage(own, entry.storage):
+        raise ValueError(f"{where}{info.name}: its storage is released and is not the storage its writer was "
+                         "registered with (the param's storage was replaced); register the writer again")
+
+
+def run_writer(info: ParamInfo, master: torch.Tensor, found_inf: Optional[torch.Tensor]) -> None:
+    """Calls the param's writer on the current stream of the master's device, naming the param if it fails."""
+    stream = torch.cuda.current_stream(master.device) if master.is_cuda else None
+    try:
+        info.writer.writer(info.param, master, stream, found_inf)
+    except Exception as exc:
+        raise RuntimeError(f"the param writer of {info.name} failed: {exc}") from exc
