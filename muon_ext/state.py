@@ -204,6 +204,7 @@ class OptimizerState:
             master, written = ops.merge_master(kept, self.tensors[info.param]["master_param"]), kept
         else:
             master = self.tensors[info.param]["master_param"] if info.master == "fp32" else kept
+            master = master.to(p.device)  # offloaded masters are on the CPU
             written = master.to(p.dtype)
         same = _same_bits(p, written)
         if bool(same.all()):  # as the load left it (the usual resume): one host sync, once, spares the full test
