@@ -104,6 +104,17 @@ class _Layout:
         self.size = start
         self.slab: Optional[torch.Tensor] = None
         self.offset = 0
+        self.entries: Dict[str, torch.Tensor] = {}  # every region as a view of the slab
+
+    def place(self, slab: torch.Tensor, offset: int) -> None:
+        self.slab, self.offset = slab, offset
+        self.entries = self.views(slab, offset)
+
+    def state(self, group: dict) -> Dict[str, torch.Tensor]:
+        """The slab views that are state entries under `group` (the second moment only while NorMuon is on)."""
+        if "second_momentum_buffer" in self.entries and group["beta2"] is None:
+            return {k: v for k, v in self.entries.items() if k != "second_momentum_buffer"}
+        return self.entries
 
     def views(self, buffer: torch.Tensor, offset: int, group: Optional[dict] = None) -> Dict[str, torch.Tensor]:
         """The state entries as views of `buffer` from `offset` (with a `group`:
@@ -277,9 +288,9 @@ class StagedState:
         slab = torch.zeros(total, dtype=torch.float32, pin_memory=device.type == "cuda")
         offset = 0
         for layout in layouts:
-            layout.slab, layout.offset = slab, offset
+            layout.place(slab, offset)
             offset += layout.size
-            views = layout.views(slab, layout.offset, group)
+            views = layout.state(group)
             if "master_param" in views:
                 views["master_param"].copy_(layout.info.param.detach())
             self.tensors[layout.info.param].update(views)
@@ -288,7 +299,7 @@ class StagedState:
             self.streams = _CudaStreams(device)
         elif self.streams is None:
             self.streams = _CpuStreams()
-        if self.slots is not None and self._slot_size() > self.slots[0].buffer.numel():
+        if self.slots is not None and self._slot_size() > (self.slots[0].buffer.numel() if self.slots else 0):
             self._free_slots()  # a larger param joined: new slots at the next step
 
     # -- state entries ----------------------------------------------------
@@ -299,7 +310,7 @@ class StagedState:
         for info in infos:
             layout = self.layouts[id(info.param)]
             entry = self.tensors[info.param]
-            for key, view in layout.views(layout.slab, layout.offset).items():
+            for key, view in layout.entries.items():
                 value = entry.get(key)
                 if value is None or value is view or (isinstance(value, torch.Tensor) and _same_view(value, view)):
                     continue
@@ -315,17 +326,21 @@ class StagedState:
         """Makes every state entry its slab view again: an entry replaced (a
         checkpoint load creating one) is copied in; a missing second moment
         (NorMuon switched on) starts at zero. Run after `check_entries`."""
+        todo = []
         for layout in self.layouts.values():
             entry, group = self.tensors[layout.info.param], groups[layout.info.group]
-            for key, view in layout.views(layout.slab, layout.offset, group).items():
+            for key, view in layout.state(group).items():
                 value = entry.get(key)
-                if value is view or (value is not None and _same_view(value, view)):
-                    continue
-                if value is None:
-                    view.zero_()
-                else:
-                    view.copy_(value)
-                entry[key] = view
+                if value is not view and (value is None or not _same_view(value, view)):
+                    todo.append((entry, key, view, value))
+        if todo:
+            self.drain()  # the last step's copies may still write these slab regions
+        for entry, key, view, value in todo:
+            if value is None:
+                view.zero_()
+            else:
+                view.copy_(value)
+            entry[key] = view
 
     # -- residency --------------------------------------------------------
 
@@ -475,7 +490,7 @@ class StagedState:
 
     def _acquire_adamw(self, item: WorkItem):
         layouts = [self.layouts[id(p)] for p in item.params]
-        views = [layout.views(layout.slab, layout.offset, item.group) for layout in layouts]
+        views = [layout.state(item.group) for layout in layouts]
         state = {key: [v[key] for v in views] for key in views[0]}
         if self.device.type != "cuda":
             return item, state  # the params are CPU tensors: the kernel updates them and the slab in place

@@ -200,8 +200,8 @@ def test_bad_state_entry_refused_before_any_write():
     _step(params, opt, 0)
     opt.state[params[2]]["momentum_buffer"] = torch.zeros(3)
     snap = optimizer_snapshot(opt)
-    with pytest.raises(ValueError, match=r"param group 0 \(muon\), param 2.*'momentum_buffer' must be a float32 tensor of "
-                                         r"shape \(32, 16\)"):
+    with pytest.raises(ValueError, match=r"param group 0 \(muon\), param 2.*'momentum_buffer' must be a float32 "
+                                         r"tensor of shape \(32, 16\)"):
         _step(params, opt, 1)
     assert_optimizer_unchanged(opt, snap)
 
