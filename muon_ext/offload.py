@@ -31,6 +31,7 @@ import torch
 
 from ._shapes import matrix_shape, second_moment_shape
 from ._types import ParamInfo, WorkItem
+from .schema import label
 
 __all__ = ["OffloadConfig", "check_offload", "StagedState"]
 
@@ -248,7 +249,7 @@ class StagedState:
         self.tensors = tensors
         self.layouts: Dict[int, _Layout] = {}  # by id(param)
         self.device: Optional[torch.device] = None
-        self.streams = None
+        self.streams = _CpuStreams()  # CUDA streams once a CUDA param joins
         self.slots: Optional[List[_Slot]] = None
         self.residency = "cpu_resident"
         self._host: Dict[Tuple[int, str], torch.Tensor] = {}  # (id(param), role/dtype) -> pinned AdamW buffer
@@ -262,28 +263,30 @@ class StagedState:
 
     # -- construction -----------------------------------------------------
 
-    def add(self, infos: List[ParamInfo], group: dict) -> None:
-        """Checks a new group's params (one device for all, Muon params within
-        slot_numel), then puts their state into a new slab: the FP32 master
-        from the param, zero moments, as views in their state entries."""
-        layouts = [_Layout(info, group) for info in infos]
+    def check_group(self, index: int, group: dict, names: List[Optional[str]]) -> None:
+        """Raises, naming the param, unless a new group's params can be offloaded:
+        every param of the optimizer on one CPU or CUDA device, each Muon param
+        within slot_numel. Run before the group is added."""
         device = self.device
-        for layout in layouts:
-            info = layout.info
-            p = info.param
-            if device is None:
-                device = p.device
+        for i, p in enumerate(group["params"]):
+            where = label(index, group["kind"], i, names[i])
+            device = p.device if device is None else device
             if p.device != device or device.type not in ("cpu", "cuda"):
-                raise ValueError(f"{info.name} is on {p.device}; with offload='cpu' every param must be on one CPU "
-                                 f"or CUDA device (the first was on {device})")
-            if info.kind == "muon" and self.config.slot_numel is not None and p.numel() > self.config.slot_numel:
-                rows, cols = matrix_shape(p, group["matrix_view"], info.name)
-                raise ValueError(f"{info.name} has {p.numel()} elements ({rows}x{cols} matrices), more than "
+                raise ValueError(f"{where} is on {p.device}; with offload='cpu' every param must be on one CPU or "
+                                 f"CUDA device (the first is on {device})")
+            if group["kind"] == "muon" and self.config.slot_numel is not None and p.numel() > self.config.slot_numel:
+                rows, cols = matrix_shape(p, group["matrix_view"], where)
+                raise ValueError(f"{where} has {p.numel()} elements ({rows}x{cols} matrices), more than "
                                  f"offload_config.slot_numel={self.config.slot_numel}; a param is never split "
                                  "across slots: raise slot_numel (or leave it None: the largest Muon param)")
-        self.device = device
-        if not layouts:
+
+    def add(self, infos: List[ParamInfo], group: dict) -> None:
+        """Puts a checked group's state into a new slab: the FP32 master from
+        the param, zero moments, as views in their state entries."""
+        if not infos:
             return
+        layouts = [_Layout(info, group) for info in infos]
+        device = self.device = infos[0].param.device
         total = sum(layout.size for layout in layouts)
         slab = torch.zeros(total, dtype=torch.float32, pin_memory=device.type == "cuda")
         offset = 0
@@ -295,10 +298,8 @@ class StagedState:
                 views["master_param"].copy_(layout.info.param.detach())
             self.tensors[layout.info.param].update(views)
             self.layouts[id(layout.info.param)] = layout
-        if device.type == "cuda" and self.streams is None:
+        if device.type == "cuda" and not isinstance(self.streams, _CudaStreams):
             self.streams = _CudaStreams(device)
-        elif self.streams is None:
-            self.streams = _CpuStreams()
         if self.slots is not None and self._slot_size() > (self.slots[0].buffer.numel() if self.slots else 0):
             self._free_slots()  # a larger param joined: new slots at the next step
 
@@ -478,7 +479,7 @@ class StagedState:
     def _copy_adamw_grads(self, items: List[WorkItem]):
         """CUDA: the AdamW grads (and params that are their own master) to pinned
         buffers on the D2H stream, ahead of the Muon state; the event of their arrival."""
-        if self.device.type != "cuda" or not items:
+        if not items or self.device.type != "cuda":
             return None
         pairs = []
         for item in items:

@@ -116,6 +116,8 @@ class MuonAdamW(torch.optim.Optimizer):
         index = len(self.param_groups)
         group, names = schema.new_group(index, param_group)
         schema.check_group(index, group, names, self._states.infos)
+        if self._offload is not None:
+            self._offload.check_group(index, group, names)
         params = group["params"]
         if self.capturable:
             devices = {p.device for p in params}

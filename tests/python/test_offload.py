@@ -311,3 +311,53 @@ def test_checkpoint_round_trip(saved, resumed):
         state = r.state[params_r[0]]
         assert state["momentum_buffer"].untyped_storage().data_ptr() == \
             state["master_param"].untyped_storage().data_ptr()
+
+
+# ---------------------------------------------------------------------------
+# groups added later, GradScaler
+# ---------------------------------------------------------------------------
+
+
+def test_add_param_group_later():
+    """A group added after steps gets a slab of its own; a larger matrix grows
+    the slots; a refused group leaves the optimizer as it was."""
+    params_a, a = _build("none")
+    params_b, b = _build("cpu", offload_config=OffloadConfig(slot_numel=2048))
+    _step(params_a, a, 0)
+    _step(params_b, b, 0)
+    too_big = torch.nn.Parameter(torch.randn(64, 64))
+    groups_before, snap = len(b.param_groups), optimizer_snapshot(b)
+    with pytest.raises(ValueError, match=r"param group 2 \(muon\), param 0 has 4096 elements"):
+        b.add_param_group({"params": [too_big], "kind": "muon"})
+    assert len(b.param_groups) == groups_before
+    assert_optimizer_unchanged(b, snap)
+    for opt, params in ((a, params_a), (b, params_b)):
+        gen = torch.Generator().manual_seed(7)
+        new = torch.nn.Parameter(torch.randn(32, 64, generator=gen).bfloat16())
+        opt.add_param_group({"params": [new], "kind": "muon", "lr": 0.01})
+        params.append(new)
+    for step in (1, 2):
+        _step(params_a, a, step)
+        _step(params_b, b, step)
+    _assert_same(a, b)
+
+
+def test_grad_scaler_inf_skips_and_finite_matches_resident():
+    params_a, a = _build("none")
+    params_b, b = _build("cpu")
+    for params, opt in ((params_a, a), (params_b, b)):
+        scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+        for step in range(2):
+            scaler.scale(torch.ones(()))
+            gen = torch.Generator().manual_seed(1000 + step)
+            for p in params:
+                p.grad = (torch.randn(p.shape, generator=gen) * 4.0).to(p.dtype)
+            scaler.step(opt)
+            scaler.update()
+        snap = optimizer_snapshot(opt)
+        scaler.scale(torch.ones(()))
+        params[0].grad[0, 0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        assert_optimizer_unchanged(opt, snap)
+    _assert_same(a, b)
