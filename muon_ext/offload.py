@@ -151,7 +151,7 @@ class _CpuStreams:
             dst.copy_(src)
         return None
 
-    def computing(self, after):
+    def computing(self, after, reads=()):
         return contextlib.nullcontext()
 
     def compute_done(self):
@@ -200,11 +200,14 @@ class _CudaStreams:
             return stream.record_event()
 
     @contextlib.contextmanager
-    def computing(self, after):
+    def computing(self, after, reads=()):
         """Makes the compute stream current (kernels, their workspaces, the
-        param writer) after event `after`."""
+        param writer) after event `after`; `reads` (grads, made on any stream)
+        are kept from reuse until it is done with them."""
         if after is not None:
             self.compute.wait_event(after)
+        for t in reads:
+            t.record_stream(self.compute)
         with torch.cuda.stream(self.compute):
             yield
 
@@ -444,7 +447,7 @@ class StagedState:
             at += layout.size
         pairs = _merge(pairs)
         loaded = self.streams.copy("h2d", pairs, after=slot.free)
-        self._active = (slot, [(src, dst) for dst, src in pairs], self.streams.computing(loaded))
+        self._active = (slot, [(src, dst) for dst, src in pairs], self.streams.computing(loaded, item.grads))
         self._active[2].__enter__()
         return item, {key: [v[key] for v in views] for key in views[0]}
 
