@@ -111,8 +111,8 @@ class StepPlanner:
             view = group.get("matrix_view", "")
             bad, problem, key, other, uniform, grads, state = _C.check_bucket(
                 bucket.params, grad_attr, tensors, dtype=spec.dtype, device=spec.device,
-                rules=_step_rules(bucket, group, infos) if self.state_rules else (), rows=spec.rows, cols=spec.cols, matrix_view=view,
-                ranges=ranges, bucket=b)
+                rules=_step_rules(bucket, group, infos) if self.state_rules else (), rows=spec.rows, cols=spec.cols,
+                matrix_view=view, ranges=ranges, bucket=b)
             if bad >= 0:
                 other_info = infos[id(bucket.params[other])] if other >= 0 else None
                 self._raise(problem, infos[id(bucket.params[bad])], key, other_info, spec, tensors, grad_attr)

@@ -308,14 +308,19 @@ class StagedState:
 
     # -- state entries ----------------------------------------------------
 
-    def check_entries(self, infos) -> None:
-        """Raises, naming the param and key, for a state entry that is neither
-        its slab view nor an FP32 tensor of its shape (which `adopt` copies in)."""
+    def check_entries(self, infos, *, required: bool) -> None:
+        """Raises, naming the param and key, for a state entry that is missing
+        where `required` (a step; the NorMuon statistics are made when NorMuon
+        is switched on) or neither its slab view nor an FP32 tensor of its
+        shape (which `adopt` copies in)."""
         for info in infos:
             layout = self.layouts[id(info.param)]
             entry = self.tensors[info.param]
             for key, view in layout.entries.items():
                 value = entry.get(key)
+                if value is None and required and key != "second_momentum_buffer":
+                    raise ValueError(f"{info.name}: optimizer state '{key}' is missing (load a checkpoint or build a "
+                                     "new optimizer)")
                 if value is None or value is view or (isinstance(value, torch.Tensor) and _same_view(value, view)):
                     continue
                 shape = tuple(view.shape)
@@ -401,7 +406,7 @@ class StagedState:
         if self.residency == "staging_released":
             raise RuntimeError("step(): the staging slots were released (release_staging()); call "
                                "restore_staging() before stepping")
-        self.check_entries(layout.info for layout in self.layouts.values())
+        self.check_entries((layout.info for layout in self.layouts.values()), required=True)
         self.adopt(groups)
         if self.slots is None:
             self._alloc_slots()

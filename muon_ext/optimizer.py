@@ -284,7 +284,7 @@ class MuonAdamW(torch.optim.Optimizer):
         infos = list(infos)
         if self._offload is not None:
             self._offload.drain()
-            self._offload.check_entries(infos)
+            self._offload.check_entries(infos, required=False)  # a load may restore missing entries
         self._planner.check_params(infos, self.param_groups, self._states.tensors, all_state=all_state,
                                    reading=reading)
 

@@ -3,6 +3,7 @@ buffers as slots (muon_ext/offload.py). Arguments, slabs and their views,
 parity with the resident optimizer (offload="none", FP32 masters), residency,
 drain, release/restore, checkpoints in both directions. CUDA: test_offload_cuda.py."""
 
+import contextlib
 import copy as copy_module
 import pickle
 
@@ -195,15 +196,28 @@ def test_slots_do_not_grow_with_the_number_of_matrices():
     assert sizes[1][0] == 2 * 512 + 32  # master + momentum + the (16, 1) NorMuon statistics per 512 elements
 
 
-def test_bad_state_entry_refused_before_any_write():
+@pytest.mark.parametrize("bad, match", [
+    (torch.zeros(3), r"'momentum_buffer' must be a float32 tensor of shape \(32, 16\)"),
+    (None, r"'momentum_buffer' is missing"),
+])
+def test_bad_state_entry_refused_before_any_write(bad, match):
     params, opt = _build("cpu")
     _step(params, opt, 0)
-    opt.state[params[2]]["momentum_buffer"] = torch.zeros(3)
+    if bad is None:
+        del opt.state[params[2]]["momentum_buffer"]
+    else:
+        opt.state[params[2]]["momentum_buffer"] = bad
     snap = optimizer_snapshot(opt)
-    with pytest.raises(ValueError, match=r"param group 0 \(muon\), param 2.*'momentum_buffer' must be a float32 "
-                                         r"tensor of shape \(32, 16\)"):
+    with pytest.raises(ValueError, match=r"param group 0 \(muon\), param 2: optimizer state " + match):
         _step(params, opt, 1)
     assert_optimizer_unchanged(opt, snap)
+    if bad is None:  # a checkpoint load restores it, into the slab
+        reference, ref = _build("cpu")
+        _step(reference, ref, 0)
+        opt.load_state_dict(ref.state_dict())
+        _step(params, opt, 1)
+        _step(reference, ref, 1)
+        _assert_same(ref, opt)
 
 
 def test_replaced_state_entry_goes_back_into_the_slab():
@@ -361,3 +375,65 @@ def test_grad_scaler_inf_skips_and_finite_matches_resident():
         scaler.update()
         assert_optimizer_unchanged(opt, snap)
     _assert_same(a, b)
+
+
+# ---------------------------------------------------------------------------
+# the order of waits (the events the CUDA streams use, recorded on the CPU)
+# ---------------------------------------------------------------------------
+
+
+class _RecordingStreams:
+    """The CPU twin's interface, logging which event each copy and compute waits for."""
+
+    def __init__(self):
+        self.log, self.count = [], 0
+
+    def _event(self, kind):
+        self.count += 1
+        return f"{kind}{self.count}"
+
+    def begin(self):
+        self.log.append(("begin",))
+
+    def copy(self, direction, pairs, after=None):
+        for dst, src in pairs:
+            dst.copy_(src)
+        event = self._event(direction)
+        self.log.append((direction, after, event))
+        return event
+
+    def computing(self, after, reads=()):
+        self.log.append(("compute", after))
+        return contextlib.nullcontext()
+
+    def compute_done(self):
+        event = self._event("done")
+        self.log.append(("done", event))
+        return event
+
+    def wait_host(self, event):
+        pass
+
+    def drain(self):
+        self.log.append(("drain",))
+
+
+@pytest.mark.parametrize("buffer_count", [1, 2, 3])
+def test_slot_reuse_waits_for_its_d2h(buffer_count):
+    """Each chunk's H2D waits for the D2H of the chunk that last used its slot
+    (none for the first use), compute waits for its H2D, D2H for compute_done."""
+    params, opt = _build("cpu", muon_shapes=[(16, 32)] * 5, offload_config=OffloadConfig(buffer_count=buffer_count))
+    streams = opt._offload.streams = _RecordingStreams()
+    for step in range(2):
+        _step(params, opt, step)
+    chunks = [entry for entry in streams.log if entry[0] != "begin"]
+    assert len(chunks) == 2 * 5 * 4  # per chunk: h2d, compute, done, d2h
+    d2h_events = []
+    for k in range(0, len(chunks), 4):
+        (h2d, after, loaded), (compute, waited), (done, event), (d2h, d2h_after, freed) = chunks[k: k + 4]
+        assert (h2d, compute, done, d2h) == ("h2d", "compute", "done", "d2h")
+        index = k // 4
+        assert after == (d2h_events[index - buffer_count] if index >= buffer_count else None)
+        assert waited == loaded and d2h_after == event
+        d2h_events.append(freed)
+    assert streams.log[0] == ("begin",) and streams.log.count(("begin",)) == 2
