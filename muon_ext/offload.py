@@ -398,15 +398,19 @@ class StagedState:
 
     # -- the staged step --------------------------------------------------
 
-    def run_step(self, work: List, groups: List[dict], run: Callable[[List], None]) -> None:
-        """One staged step over the planned `work` ((item, state) pairs, every
-        check passed): Muon items cut into slot-sized chunks first, AdamW items
-        last (their CPU update overlaps the Muon pipeline on CUDA); `run` runs
-        the optimizer's per-item stages on the reordered work."""
+    def check_step(self) -> None:
+        """What a step needs beyond the planner's checks, before anything is written:
+        staging held, every state entry in place."""
         if self.residency == "staging_released":
             raise RuntimeError("step(): the staging slots were released (release_staging()); call "
                                "restore_staging() before stepping")
         self.check_entries((layout.info for layout in self.layouts.values()), required=True)
+
+    def run_step(self, work: List, groups: List[dict], run: Callable[[List], None]) -> None:
+        """One staged step over the planned `work` ((item, state) pairs, every
+        check passed, `check_step` too): Muon items cut into slot-sized chunks
+        first, AdamW items last (their CPU update overlaps the Muon pipeline on
+        CUDA); `run` runs the optimizer's per-item stages on the reordered work."""
         self.adopt(groups)
         if self.slots is None:
             self._alloc_slots()

@@ -153,6 +153,8 @@ class MuonAdamW(torch.optim.Optimizer):
             schema.check_options(self.master_weights, self.grad_attr, self.max_workspace_bytes)
             work = self._planner.plan(self.param_groups, self._states.infos, self._states.tensors, self.grad_attr,
                                       hasattr(self, "found_inf"))
+            if self._offload is not None:
+                self._offload.check_step()
         except Exception:
             # GradScaler deletes these only after a step returns: drop them so
             # that a later step does not unscale with this step's scale.
