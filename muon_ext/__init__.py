@@ -1,6 +1,6 @@
 """muon_ext: a fast, memory-lean Muon + AdamW optimizer for PyTorch (CPU and CUDA).
 
-Public API: `MuonAdamW` and `param_groups`, `muon_ext.ops` (the kernels) and
+Public API: `MuonAdamW` (with `OffloadConfig`) and `param_groups`, `muon_ext.ops` (the kernels) and
 `muon_ext.reference` (the plain PyTorch math they are tested against).
 """
 
@@ -23,9 +23,10 @@ if str(torch.__version__) != _BUILT_TORCH_VERSION:
 from . import _C  # noqa: E402  (after the version check: a mismatched _C may not even load)
 from . import ops, reference  # noqa: E402
 from .grouping import param_groups  # noqa: E402
+from .offload import OffloadConfig  # noqa: E402
 from .optimizer import MuonAdamW  # noqa: E402
 
 __version__ = "0.1.0"
 with_cuda = bool(_C.with_cuda)
 
-__all__ = ["MuonAdamW", "param_groups", "ops", "reference", "with_cuda", "__version__"]
+__all__ = ["MuonAdamW", "OffloadConfig", "param_groups", "ops", "reference", "with_cuda", "__version__"]

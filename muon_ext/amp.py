@@ -28,9 +28,12 @@ class GradScalerInputs:
         """(inv_scale, found_inf) as one-element float32 tensors on `device` (None where absent)."""
         if device not in self.cache:
             inv = None
+            # Into CPU memory a non-blocking copy may still be in flight when the CPU kernel reads it.
+            non_blocking = device.type != "cpu"
             if self.grad_scale is not None:
-                inv = self.grad_scale.to(device, non_blocking=True).double().reciprocal().float().reshape(1)
-            found = None if self.found_inf is None else self.found_inf.to(device, non_blocking=True).float().reshape(1)
+                inv = self.grad_scale.to(device, non_blocking=non_blocking).double().reciprocal().float().reshape(1)
+            found = None if self.found_inf is None else \
+                self.found_inf.to(device, non_blocking=non_blocking).float().reshape(1)
             self.cache[device] = (inv, found)
         return self.cache[device]
 

@@ -63,6 +63,9 @@ class StepPlanner:
         self._specs: List[_Spec] = []
         self._empty: List[ParamInfo] = []  # zero-size params, in no bucket
         self._signature: Tuple = ()
+        # False when the state lives off the params' device (offload="cpu"):
+        # muon_ext.offload checks those entries; params and grads are checked here.
+        self.state_rules = True
 
     def invalidate(self) -> None:
         """Re-bucket at the next plan."""
@@ -112,8 +115,8 @@ class StepPlanner:
                     check_released(infos[id(p)], "")
             bad, problem, key, other, uniform, grads, state = _C.check_bucket(
                 bucket.params, grad_attr, tensors, dtype=spec.dtype, device=spec.device,
-                rules=_step_rules(bucket, group, infos), rows=spec.rows, cols=spec.cols, matrix_view=view,
-                ranges=ranges, bucket=b, param_data=bucket.writes_params)
+                rules=_step_rules(bucket, group, infos) if self.state_rules else (), rows=spec.rows, cols=spec.cols,
+                matrix_view=view, ranges=ranges, bucket=b, param_data=bucket.writes_params)
             if bad >= 0:
                 other_info = infos[id(bucket.params[other])] if other >= 0 else None
                 self._raise(problem, infos[id(bucket.params[bad])], key, other_info, spec, tensors, grad_attr)
@@ -145,8 +148,8 @@ class StepPlanner:
             if info.kind == "muon":
                 rows, cols = matrix_shape(p, group["matrix_view"], info.name)
                 view = group["matrix_view"]
-            rules = _master_rule(info, reading) if info.master != "none" else ()
-            if all_state:
+            rules = _master_rule(info, reading) if info.master != "none" and self.state_rules else ()
+            if all_state and self.state_rules:
                 rules = _moment_rules(info.kind, group, required=False) + rules
             check_released(info, "")
             bad, problem, key, other, _, _, _ = _C.check_bucket(

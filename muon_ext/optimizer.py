@@ -19,6 +19,7 @@ from ._shapes import as_matrices
 from ._types import ParamInfo, WorkItem
 from .amp import GradScalerInputs, capturing, device_lr
 from .buckets import StepPlanner
+from .offload import StagedState, check_offload
 from .state import OptimizerState, check_master_values
 
 __all__ = ["MuonAdamW"]
@@ -39,6 +40,11 @@ class MuonAdamW(torch.optim.Optimizer):
             params' device (schedulers update it in place), so that a step can
             be captured in a CUDA graph; a float lr there would be baked in.
         max_workspace_bytes: bound on Muon's transient scratch per chunk.
+        offload: "none", or "cpu": every param's state (FP32 masters, also for
+            BF16 params with store_param_remainders=True, and moments) lives in
+            CPU slabs, pinned for CUDA params, staged through `offload_config`'s
+            slots (see muon_ext.offload and docs/design.md, "CPU-staged state").
+        offload_config: a muon_ext.OffloadConfig (offload="cpu" only).
         adapters: bind the installed adapters (entry points of the group
             "muon_ext.adapters", each called as `adapter(optimizer)` after
             construction); False skips them.
@@ -57,16 +63,22 @@ class MuonAdamW(torch.optim.Optimizer):
         grad_attr: str = "grad",
         capturable: bool = False,
         max_workspace_bytes: int = ops.DEFAULT_MAX_WORKSPACE_BYTES,
+        offload: str = "none",
+        offload_config=None,
         adapters: bool = True,
     ):
         schema.check_options(master_weights, grad_attr, max_workspace_bytes)
+        config = check_offload(offload, offload_config, capturable)
         self.master_weights = master_weights
-        self.store_param_remainders = bool(store_param_remainders)
+        # Offloaded params keep FP32 masters: the staged kernels update them off the param's device.
+        self.store_param_remainders = bool(store_param_remainders) and config is None
         self.grad_attr = grad_attr
         self.capturable = bool(capturable)
         self.max_workspace_bytes = int(max_workspace_bytes)
         self._planner = StepPlanner(master_weights, self.store_param_remainders)
         self._states: Optional[OptimizerState] = None  # made by the first add_param_group, on torch's self.state
+        self._offload: Optional[StagedState] = None if config is None else StagedState(config, None)
+        self._planner.state_rules = config is None  # offloaded state is on the CPU: checked by StagedState
         if isinstance(params, (torch.Tensor, set, frozenset)):
             raise TypeError(f"params must be a list of param groups, not a {type(params).__name__}")
         groups = list(params)
@@ -83,6 +95,8 @@ class MuonAdamW(torch.optim.Optimizer):
         if any(info.writer is not None and not info.writer.default for info in self._states.infos.values()):
             raise TypeError("an optimizer with registered param writers cannot be copied or pickled (a writer is "
                             "bound to its param and storage): unregister them first, or save state_dict()")
+        if self._offload is not None:
+            self._offload.__getstate__()  # raises: staged state is not picklable
         state = super().__getstate__()
         state.update(master_weights=self.master_weights, store_param_remainders=self.store_param_remainders,
                      grad_attr=self.grad_attr, max_workspace_bytes=self.max_workspace_bytes,
@@ -95,6 +109,7 @@ class MuonAdamW(torch.optim.Optimizer):
         state.setdefault("capturable", False)
         super().__setstate__(state)
         self._planner = StepPlanner(self.master_weights, self.store_param_remainders)
+        self._offload = None  # __getstate__ refuses offloaded optimizers
         self._states = OptimizerState(self.state, self.master_weights, self.store_param_remainders)
         for index, group in enumerate(self.param_groups):
             self._states.register(index, group, group.get("param_names"))
@@ -108,9 +123,13 @@ class MuonAdamW(torch.optim.Optimizer):
         """Validate a group, fill its defaults, create its state; re-buckets."""
         if self._states is None:  # torch's __init__ makes self.state, then adds the groups
             self._states = OptimizerState(self.state, self.master_weights, self.store_param_remainders)
+            if self._offload is not None:
+                self._offload.tensors = self.state
         index = len(self.param_groups)
         group, names = schema.new_group(index, param_group)
         schema.check_group(index, group, names, self._states.infos)
+        if self._offload is not None:
+            self._offload.check_group(index, group, names)
         params = group["params"]
         if self.capturable:
             devices = {p.device for p in params}
@@ -119,7 +138,10 @@ class MuonAdamW(torch.optim.Optimizer):
                                  f"(its lr tensor lives there), got {sorted(map(str, devices))}")
             group["lr"] = device_lr(group["lr"], params[0].device if params else torch.device("cpu"))
         self.param_groups.append(group)
-        for info in self._states.register(index, group, names):
+        infos = self._states.register(index, group, names)
+        if self._offload is not None:
+            self._offload.add(infos, group)  # state entries as views into a new CPU slab; init keeps them
+        for info in infos:
             self._states.init(info, group)
         self._planner.invalidate()
 
@@ -143,6 +165,8 @@ class MuonAdamW(torch.optim.Optimizer):
             schema.check_options(self.master_weights, self.grad_attr, self.max_workspace_bytes)
             work = self._planner.plan(self.param_groups, self._states.infos, self._states.tensors, self.grad_attr,
                                       hasattr(self, "found_inf"))
+            if self._offload is not None:
+                self._offload.check_step()
         except Exception:
             # GradScaler deletes these only after a step returns: drop them so
             # that a later step does not unscale with this step's scale.
@@ -151,21 +175,31 @@ class MuonAdamW(torch.optim.Optimizer):
             raise
         self._states.resolve_pending()
         scalers = GradScalerInputs(getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
+        if self._offload is None:
+            self._run(work, scalers)
+        else:
+            self._offload.run_step(work, self.param_groups, lambda staged: self._run(staged, scalers))
+        return loss
+
+    def _run(self, work, scalers: GradScalerInputs) -> None:
         for item, state in work:
-            self._acquire(item)
+            kernel_item, state = self._acquire(item, state)
             self._gather(item)
-            inv_scale, found_inf = scalers.on(item.params[0].device)
+            inv_scale, found_inf = scalers.on(kernel_item.params[0].device)
             if item.bucket.kind == "adamw":
-                self._adamw(item, state, inv_scale, found_inf)
+                self._adamw(kernel_item, state, inv_scale, found_inf)
             else:
-                self._muon(item, state, inv_scale, found_inf)
+                self._muon(kernel_item, state, inv_scale, found_inf)
             self._scatter(item)
             self._write(item, state.get("master_param"), found_inf)
             self._release(item)
-        return loss
 
-    def _acquire(self, item: WorkItem) -> None:
-        """Offload: take staging slots and bring the item's CPU-held state onto the device."""
+    def _acquire(self, item: WorkItem, state):
+        """Offload: take a staging slot and bring the item's CPU-held state onto the device.
+        Returns the item the kernel runs on (offloaded AdamW on CUDA: pinned CPU copies) and its state."""
+        if self._offload is None:
+            return item, state
+        return self._offload.acquire(item)
 
     def _gather(self, item: WorkItem) -> None:
         """Distributed: exchange sharded Muon matrices so that each is whole on the rank that owns it."""
@@ -175,7 +209,8 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _write(self, item: WorkItem, masters: Optional[List[torch.Tensor]] = None, found_inf=None) -> None:
         """After the kernels: params with writers are stored from `masters`
-        (the FP32 masters the kernels just wrote), and the written params'
+        (the FP32 masters the kernels just wrote; staged: the slot's views, on
+        the compute stream, before compute_done), and the written params'
         autograd versions move on."""
         if not item.bucket.writes_params:
             for p, master in zip(item.params, masters):
@@ -183,7 +218,9 @@ class MuonAdamW(torch.optim.Optimizer):
         torch.autograd.graph.increment_version(item.params)
 
     def _release(self, item: WorkItem) -> None:
-        """Offload: drain the item's staged state back to CPU memory and free its slots."""
+        """Offload: send the item's staged state back to CPU memory; its slot is free after that copy."""
+        if self._offload is not None:
+            self._offload.release(item)
 
     @staticmethod
     def _kernel_params(item: WorkItem, state: Dict[str, Optional[List[torch.Tensor]]]):
@@ -261,7 +298,8 @@ class MuonAdamW(torch.optim.Optimizer):
         Reconstructed from remainders where they are used; the param's values
         for params without a separate master. Raises for params this optimizer
         does not own, and (naming it) for a param whose storage or master
-        cannot be read.
+        cannot be read. With offload="cpu" it drains first and returns a copy
+        of the CPU FP32 master, on the CPU (never a view of the slab).
         """
         info = self._states.info(param)
         self._check_params([info], all_state=False, reading=True)
@@ -269,7 +307,12 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def _check_params(self, infos: Iterable[ParamInfo], *, all_state: bool, reading: bool) -> None:
         """Outside a step, before params and masters are read or written: the step's checks (storage held, master
-        mode for the dtype, state dtypes, shapes and devices), naming the param."""
+        mode for the dtype, state dtypes, shapes and devices), naming the param.
+        Offloaded state is drained first: the CPU copy is then the state."""
+        infos = list(infos)
+        if self._offload is not None:
+            self._offload.drain()
+            self._offload.check_entries(infos, required=False)  # a load may restore missing entries
         self._planner.check_params(infos, self.param_groups, self._states.tensors, all_state=all_state,
                                    reading=reading)
 
@@ -290,6 +333,10 @@ class MuonAdamW(torch.optim.Optimizer):
         writers.check_registration(info, writer, storage)
         if capturing():
             raise RuntimeError("register_param_writer: not allowed during CUDA graph capture")
+        if self._offload is not None and (info.master != "fp32" or (info.kind == "adamw" and param.is_cuda)):
+            raise ValueError(f"register_param_writer: {info.name}: with offload='cpu', writers are supported for "
+                             "params with a separate FP32 master, stepped on their device (Muon params, or params "
+                             "on the CPU)")
         released = not writers.storage_held(param)
         if released and info.master != "fp32":
             kept = "int16 remainders complete" if info.master == "remainder" else "the param is"
@@ -322,6 +369,39 @@ class MuonAdamW(torch.optim.Optimizer):
                              "the optimizer writes the param itself; restore the storage first")
         self._states.clear_writer(info)
         self._planner.invalidate()
+
+    # ------------------------------------------------------------------
+    # Offload (offload="cpu"; see muon_ext.offload)
+    # ------------------------------------------------------------------
+
+    @property
+    def residency(self) -> str:
+        """Where the state is: "cpu_resident" (CPU copies authoritative, slots
+        held or not yet made), "step_active" (a step's copies may be in
+        flight; drain() settles them), "staging_released" (slots handed back)."""
+        return "cpu_resident" if self._offload is None else self._offload.residency
+
+    def drain(self) -> None:
+        """Waits for every outstanding state copy of the last step; the CPU
+        state is then authoritative. Idempotent; a no-op without offload."""
+        if self._offload is not None:
+            self._offload.drain()
+
+    def release_staging(self) -> None:
+        """Drains and returns the staging slots' device memory to the allocator
+        (e.g. to lend the GPU to an inference engine); step() then refuses
+        until restore_staging()."""
+        self._require_offload("release_staging")
+        self._offload.release_staging()
+
+    def restore_staging(self) -> None:
+        """Takes the staging slots back after release_staging()."""
+        self._require_offload("restore_staging")
+        self._offload.restore_staging()
+
+    def _require_offload(self, name: str) -> None:
+        if self._offload is None:
+            raise RuntimeError(f"{name}(): this optimizer has no staged state (construct it with offload='cpu')")
 
     # ------------------------------------------------------------------
     # Checkpoints
@@ -358,6 +438,8 @@ class MuonAdamW(torch.optim.Optimizer):
         # Loading writes every param and state tensor: none may be written out of bounds.
         self._check_params(self._states.infos.values(), all_state=True, reading=False)
         checkpoint.load_state_dict(self.param_groups, self._states, state_dict, capturable=self.capturable)
+        if self._offload is not None:
+            self._offload.adopt(self.param_groups)  # entries the load created go into the slabs
         self._planner.invalidate()
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)

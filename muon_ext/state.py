@@ -187,8 +187,8 @@ class OptimizerState:
 
     def set_writer(self, info: ParamInfo, entry: WriterEntry) -> None:
         """Gives the param a writer and an FP32 master tensor, converted exactly from its current master."""
-        master = self.read_master(info)
-        self.tensors[info.param]["master_param"] = master
+        if info.master != "fp32":  # an FP32 master tensor is kept as it is (offload: a view into its slab)
+            self.tensors[info.param]["master_param"] = self.read_master(info)
         info.master, info.writer = "fp32", entry
 
     def clear_writer(self, info: ParamInfo) -> None:
@@ -243,6 +243,7 @@ class OptimizerState:
             master, written = ops.merge_master(kept, self.tensors[info.param]["master_param"]), kept
         else:
             master = self.tensors[info.param]["master_param"] if info.master == "fp32" else kept
+            master = master.to(p.device)  # offloaded masters are on the CPU
             written = master.to(p.dtype)
         same = _same_bits(p, written)
         if bool(same.all()):  # as the load left it (the usual resume): one host sync, once, spares the full test

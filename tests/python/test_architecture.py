@@ -39,7 +39,7 @@ def _imports(module: str) -> set:
 
 def test_the_modules_are_the_planned_ones():
     for module in ("_types", "_shapes", "schema", "grouping", "state", "buckets", "amp", "checkpoint", "optimizer",
-                   "ops", "reference"):
+                   "offload", "ops", "reference"):
         assert module in MODULES, module
 
 
@@ -94,8 +94,8 @@ def test_no_private_names_are_imported_from_sibling_modules():
 
 
 def test_public_api_stays_small():
-    assert sorted(muon_ext.__all__) == sorted(["MuonAdamW", "param_groups", "ops", "reference", "with_cuda",
-                                               "__version__"])
+    assert sorted(muon_ext.__all__) == sorted(["MuonAdamW", "OffloadConfig", "param_groups", "ops", "reference",
+                                               "with_cuda", "__version__"])
 
 
 def test_mode_aliases_name_the_cpp_table():

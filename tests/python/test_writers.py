@@ -263,3 +263,29 @@ def test_writer_failure_is_named():
     opt.register_param_writer(params[1], broken)
     with pytest.raises(RuntimeError, match=r"param writer of param group 0 \(muon\), param 1 failed"):
         _step(opt, params, grad_seq(SHAPES, 1)[0])
+
+
+@pytest.mark.parametrize("buffer_count", [1, 2])
+def test_writer_in_the_staged_path(buffer_count):
+    # offload="cpu": the writer gets the slot's master (equal to the resident run's) before the slot is reused.
+    params, reference = _model(), _model()
+    opt = _opt(params, offload="cpu", offload_config=muon_ext.OffloadConfig(buffer_count=buffer_count,
+                                                                           slot_numel=8 * 16))
+    ref = _opt(reference, store_param_remainders=False)
+    recorders = [Recorder(p.shape) for p in params]
+    for p, r in zip(params, recorders):
+        opt.register_param_writer(p, r, storage=p.untyped_storage())
+    params[0].untyped_storage().resize_(0)
+    grads = grad_seq(SHAPES, 3)
+    for k in range(3):
+        _step(opt, params, grads[k])
+        _step(ref, reference, grads[k])
+        for r, q in zip(recorders, reference):
+            assert_bit_equal(r.calls[-1][1], ref.state[q]["master_param"], f"staged master, step {k}")
+    opt.drain()
+    for p, q in zip(params, reference):
+        assert_bit_equal(opt.get_full_parameter_master(p), ref.get_full_parameter_master(q))
+    fp32 = [torch.nn.Parameter(v) for v in bf16_values(SHAPES)]
+    staged_fp32 = _opt(fp32, offload="cpu")
+    with pytest.raises(ValueError, match="with offload='cpu', writers are supported"):
+        staged_fp32.register_param_writer(fp32[0], Recorder(fp32[0].shape))
