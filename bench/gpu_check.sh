@@ -5,16 +5,16 @@
 #
 #   bench/gpu_check.sh RESULTS_DIR [STAGE ...]
 #
-# STAGEs: build tests adamw muon step (default: all, in that order). One device
+# STAGEs: build tests adamw muon step quantize (default: all, in that order). One device
 # command may run 10 minutes, so a lease typically runs `build tests adamw`
 # in one call and `muon step` in a second (the in-place build is kept).
 # RESULTS_DIR receives: stages.json (rc and seconds per stage), log.txt (all
 # output), gpu_tests.json (per-test outcomes) and one JSON file per benchmark.
 set -uo pipefail
 
-OUT=${1:?usage: bench/gpu_check.sh RESULTS_DIR [build|tests|adamw|muon|step ...]}
+OUT=${1:?usage: bench/gpu_check.sh RESULTS_DIR [build|tests|adamw|muon|step|quantize ...]}
 shift
-STAGES_WANTED=${*:-build tests adamw muon step}
+STAGES_WANTED=${*:-build tests adamw muon step quantize}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."
@@ -78,4 +78,5 @@ fi
 wants adamw && stage bench_adamw 90 "$PY" bench/adamw.py --device cuda --out "$OUT/adamw.json"
 wants muon && stage bench_muon 200 "$PY" bench/muon.py --device cuda --out "$OUT/muon.json"
 wants step && stage bench_step 240 "$PY" bench/step.py --device cuda --out "$OUT/step.json"
+wants quantize && stage bench_quantize 120 "$PY" bench/quantize.py --device cuda --out "$OUT/quantize.json"
 exit 0
