@@ -47,7 +47,15 @@ QuantizeFp8Args check_args(const at::Tensor& master, at::OptionalIntArrayRef blo
   }
   check_output(out, "out", at::kFloat8_e4m3fn, master.device(), master.sizes());
   check_output(out_scale_inv, "out_scale_inv", at::kFloat, master.device(), scale_shape);
-  checks::scalar_tensor(kOp, found_inf, "found_inf", master.device());
+  if (found_inf.has_value()) {
+    const at::Tensor& flag = *found_inf;
+    TORCH_CHECK_VALUE(flag.defined(), kOp, ": found_inf is undefined");
+    TORCH_CHECK_TYPE(flag.scalar_type() == at::kFloat, kOp, ": found_inf must be float32, got ", flag.scalar_type());
+    TORCH_CHECK_VALUE(flag.numel() == 1, kOp, ": found_inf must hold one element, got ", flag.numel());
+    TORCH_CHECK_VALUE(flag.device() == master.device(), kOp, ": found_inf is on ", flag.device(),
+                      " but master is on ", master.device());
+    checks::storage(kOp, flag, "found_inf");
+  }
 
   // Written tensors must not overlap what is read, nor each other.
   const std::pair<const char*, const at::Tensor*> tensors[] = {

@@ -49,17 +49,20 @@ def _require_tensor(op: str, name: str, value, dtype: torch.dtype) -> torch.Tens
     return value
 
 
-def scale_inv_shape(shape, block: Block = DEFAULT_BLOCK) -> Tuple[int, ...]:
-    """The shape of `scale_inv` for a master of `shape`: () with block=None,
-    else (ceil(rows / block[0]), ceil(cols / block[1])) for a 2-D shape."""
-    block = _check_block("scale_inv_shape", block)
+def _scale_shape(op: str, shape, block: Block) -> Tuple[int, ...]:
     shape = tuple(shape)
     if block is None:
         return ()
     if len(shape) != 2:
-        raise ValueError(f"block={block} needs a 2-D master, got shape {shape} (block=None gives one scale "
+        raise ValueError(f"{op}: block={block} needs a 2-D tensor, got shape {shape} (block=None gives one scale "
                          "for any shape)")
     return (-(-shape[0] // block[0]), -(-shape[1] // block[1]))
+
+
+def scale_inv_shape(shape, block: Block = DEFAULT_BLOCK) -> Tuple[int, ...]:
+    """The shape of `scale_inv` for a master of `shape`: () with block=None,
+    else (ceil(rows / block[0]), ceil(cols / block[1])) for a 2-D shape."""
+    return _scale_shape("scale_inv_shape", shape, _check_block("scale_inv_shape", block))
 
 
 def quantize_fp8(
@@ -91,7 +94,7 @@ def quantize_fp8(
     if out is None:
         out = torch.empty(master.shape, dtype=torch.float8_e4m3fn, device=master.device)
     if out_scale_inv is None:
-        out_scale_inv = torch.empty(scale_inv_shape(master.shape, block), dtype=torch.float32, device=master.device)
+        out_scale_inv = torch.empty(_scale_shape(op, master.shape, block), dtype=torch.float32, device=master.device)
     _require_tensor(op, "out", out, torch.float8_e4m3fn)
     _require_tensor(op, "out_scale_inv", out_scale_inv, torch.float32)
     if found_inf is not None:
@@ -106,7 +109,7 @@ def dequantize_fp8(q: torch.Tensor, scale_inv: torch.Tensor, *, block: Block = D
     _require_tensor(op, "q", q, torch.float8_e4m3fn)
     _require_tensor(op, "scale_inv", scale_inv, torch.float32)
     block = _check_block(op, block)
-    expected = scale_inv_shape(q.shape, block)
+    expected = _scale_shape(op, q.shape, block)
     if tuple(scale_inv.shape) != expected:
         raise ValueError(f"{op}: scale_inv has shape {tuple(scale_inv.shape)}, expected {expected} for q of shape "
                          f"{tuple(q.shape)} and block={block}")
@@ -132,7 +135,7 @@ class Fp8Writer:
         _require_tensor(op, "q_out", q_out, torch.float8_e4m3fn)
         _require_tensor(op, "scale_inv_out", scale_inv_out, torch.float32)
         self.block = _check_block(op, block)
-        expected = scale_inv_shape(q_out.shape, self.block)
+        expected = _scale_shape(op, q_out.shape, self.block)
         if tuple(scale_inv_out.shape) != expected:
             raise ValueError(f"{op}: scale_inv_out has shape {tuple(scale_inv_out.shape)}, expected {expected} for "
                              f"q_out of shape {tuple(q_out.shape)} and block={self.block}")
