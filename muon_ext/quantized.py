@@ -78,7 +78,8 @@ def quantize_fp8(
     Writes into `out` (float8_e4m3fn, master's shape) and `out_scale_inv`
     (FP32, `scale_inv_shape(master.shape, block)`) when given, else into new
     tensors; all on master's device, contiguous, not overlapping master. A
-    non-contiguous master is quantized from a contiguous copy. A nonzero
+    non-contiguous master is quantized from a contiguous copy (outputs must
+    then not share its storage at all). A nonzero
     `found_inf` (one-element FP32 tensor on master's device) makes the call
     write nothing, checked on the device: no host sync on CUDA, where the call
     is one kernel launch with blocks and two with block=None.
@@ -90,6 +91,10 @@ def quantize_fp8(
         problem = ops.storage_problem(master)
         if problem:  # .contiguous() would read out of bounds
             raise ValueError(f"{op}: master: {problem}")
+        # The op sees only the copy, so it could not tell that an output overlaps master.
+        for name, t in (("out", out), ("out_scale_inv", out_scale_inv)):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == master.untyped_storage().data_ptr():
+                raise ValueError(f"{op}: {name} shares its storage with the non-contiguous master")
         master = master.contiguous()
     if out is None:
         out = torch.empty(master.shape, dtype=torch.float8_e4m3fn, device=master.device)

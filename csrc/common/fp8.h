@@ -2,8 +2,9 @@
 // bits, no infinities, NaN = S.1111.111) and the block scaling rule of
 // quantize_fp8 (docs/design.md, "FP8 quantization").
 //
-// Integer bit math written once for host and device, so the CPU and CUDA
-// kernels give the same bits (as common/remainder.h does for BF16):
+// Bit math (integer, plus one exact-by-IEEE float addition) written once for
+// host and device, so the CPU and CUDA kernels give the same bits (as
+// common/remainder.h does for BF16):
 //   * round to nearest even, saturating: |x| >= 448 (inf included) gives
 //     +-448 (0x7E / 0xFE), as CUDA's __NV_SATFINITE and torch's own
 //     conversion do; values below 2^-10 (half the smallest subnormal, 2^-9)
@@ -65,7 +66,8 @@ MUON_HD uint8_t float_to_fp8_e4m3_bits(float x) {
   // Subnormal e4m3 (steps of 2^-9, |x| < 2^-6): adding 2^14, whose FP32 ulp
   // is 2^-9, rounds |x| to a multiple of 2^-9 (nearest even, by IEEE
   // addition); the low bits of the sum count those steps (0..8, where 8 is
-  // 2^-6's code).
+  // 2^-6's code).  The sum is never subnormal, and an FP32-subnormal |x|
+  // gives 0 with or without flush-to-zero.
   const uint32_t subnormal = float_to_bits(bits_to_float(magnitude) + 16384.0f) - 0x46800000u;
   uint32_t code = fp8_select(m >= 0x3C800000, normal, subnormal);
   code = fp8_select(m >= 0x43E00000, 0x7Eu, code);  // >= 448, inf: saturate
@@ -73,7 +75,7 @@ MUON_HD uint8_t float_to_fp8_e4m3_bits(float x) {
   return uint8_t(sign | code);
 }
 
-// e4m3fn bits -> FP32 (exact).
+// e4m3fn bits -> FP32 (exact); for the C++ tests (Python dequantizes with torch).
 MUON_HD float fp8_e4m3_bits_to_float(uint8_t q) {
   const uint32_t sign = uint32_t(q & 0x80u) << 24;
   const uint32_t exponent = (q >> 3) & 0xFu;

@@ -136,6 +136,18 @@ def test_non_contiguous_master_is_quantized_as_its_values(block):
         _assert_matches_reference(view, block)
 
 
+def test_outputs_in_a_non_contiguous_masters_storage_are_refused():
+    buffer = torch.zeros(2 * 64)
+    master = buffer[:64].view(8, 8).t()
+    out_scale_inv = buffer[64:65].view(1, 1)  # no overlap, but the same storage: refused to be safe
+    before = snapshot([buffer])
+    with pytest.raises(ValueError, match="quantize_fp8: out_scale_inv shares its storage with the non-contiguous"):
+        quantized.quantize_fp8(master, out_scale_inv=out_scale_inv)
+    with pytest.raises(ValueError, match="quantize_fp8: out shares its storage"):
+        quantized.quantize_fp8(master, out=buffer.view(torch.uint8)[:64].view(E4M3).view(8, 8))
+    assert_unchanged([buffer], before)
+
+
 def test_the_op_itself_refuses_a_non_contiguous_master():
     master = torch.randn(8, 8).t()
     with pytest.raises(ValueError, match="quantize_fp8: master must be contiguous"):
