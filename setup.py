@@ -127,12 +127,13 @@ def _extension():
 
     macros = [f"-DMUON_EXT_HAVE_{isa}" for isa, _ in _isa_variants() if isa != "DEFAULT"]
     sources = ["csrc/bindings.cpp", "csrc/ops.cpp", "csrc/checks.cpp", "csrc/cpu/adamw_cpu.cpp", "csrc/cpu/muon_cpu.cpp",
-               "csrc/cpu/remainder_cpu.cpp", "csrc/cpu/parallel_probe.cpp"]
+               "csrc/cpu/remainder_cpu.cpp", "csrc/cpu/parallel_probe.cpp", "csrc/quantize_op.cpp",
+               "csrc/cpu/quantize_cpu.cpp"]
     include_dirs = [str(CSRC)]
     cxx_flags = CXX_FLAGS + macros
     if with_cuda:
         sources += ["csrc/cuda/adamw_cuda.cu", "csrc/cuda/muon_cuda.cu", "csrc/cuda/polar_express_cuda.cu",
-                    "csrc/cuda/remainder_cuda.cu"]
+                    "csrc/cuda/remainder_cuda.cu", "csrc/cuda/quantize_cuda.cu"]
         include_dirs += _nvidia_include_dirs()
         cxx_flags = cxx_flags + ["-DMUON_EXT_WITH_CUDA"]
         return cpp_extension.CUDAExtension(

@@ -5,16 +5,16 @@
 #
 #   bench/gpu_check.sh RESULTS_DIR [STAGE ...]
 #
-# STAGEs: build tests adamw muon step offload (default: all, in that order). One device
+# STAGEs: build tests adamw muon step offload quantize (default: all, in that order). One device
 # command may run 10 minutes, so a lease typically runs `build tests adamw`
 # in one call and `muon step offload` in a second (the in-place build is kept).
 # RESULTS_DIR receives: stages.json (rc and seconds per stage), log.txt (all
 # output), gpu_tests.json (per-test outcomes) and one JSON file per benchmark.
 set -uo pipefail
 
-OUT=${1:?usage: bench/gpu_check.sh RESULTS_DIR [build|tests|adamw|muon|step|offload ...]}
+OUT=${1:?usage: bench/gpu_check.sh RESULTS_DIR [build|tests|adamw|muon|step|offload|quantize ...]}
 shift
-STAGES_WANTED=${*:-build tests adamw muon step offload}
+STAGES_WANTED=${*:-build tests adamw muon step offload quantize}
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."
@@ -79,4 +79,5 @@ wants adamw && stage bench_adamw 90 "$PY" bench/adamw.py --device cuda --out "$O
 wants muon && stage bench_muon 200 "$PY" bench/muon.py --device cuda --out "$OUT/muon.json"
 wants step && stage bench_step 240 "$PY" bench/step.py --device cuda --out "$OUT/step.json"
 wants offload && stage bench_offload 240 "$PY" bench/offload.py --device cuda --out "$OUT/offload.json"
+wants quantize && stage bench_quantize 120 "$PY" bench/quantize.py --device cuda --out "$OUT/quantize.json"
 exit 0

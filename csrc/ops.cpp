@@ -29,6 +29,7 @@
 #include "cpu/muon_cpu.h"
 #include "cpu/scalar_kind.h"
 #include "muon_args.h"
+#include "quantize_ops.h"
 #include "remainder_ops.h"
 #if defined(MUON_EXT_WITH_CUDA)
 #include "cuda/adamw_cuda.h"
@@ -565,6 +566,9 @@ TORCH_LIBRARY(muon_ext, m) {
       "float weight_decay, str lr_scale, int rows, int cols, Tensor? found_inf) -> ()");
   m.def("split_master(Tensor master, Tensor(a!) param, Tensor(b!) remainder) -> ()");
   m.def("merge_master(Tensor param, Tensor remainder, Tensor(a!) master) -> ()");
+  m.def(
+      "quantize_fp8(Tensor master, int[]? block, Tensor(a!) out, Tensor(b!) out_scale_inv, Tensor? found_inf) "
+      "-> ()");
 }
 
 #define MUON_EXT_REGISTER_KERNELS(m)                          \
@@ -574,7 +578,8 @@ TORCH_LIBRARY(muon_ext, m) {
   m.impl("muon_orthogonalize", &muon_ext::muon_orthogonalize_op); \
   m.impl("muon_apply", &muon_ext::muon_apply_op);                 \
   m.impl("split_master", &muon_ext::split_master_op);             \
-  m.impl("merge_master", &muon_ext::merge_master_op)
+  m.impl("merge_master", &muon_ext::merge_master_op);             \
+  m.impl("quantize_fp8", &muon_ext::op::quantize_fp8)
 
 TORCH_LIBRARY_IMPL(muon_ext, CPU, m) { MUON_EXT_REGISTER_KERNELS(m); }
 TORCH_LIBRARY_IMPL(muon_ext, CUDA, m) { MUON_EXT_REGISTER_KERNELS(m); }

@@ -22,6 +22,7 @@ if str(torch.__version__) != _BUILT_TORCH_VERSION:
 
 from . import _C  # noqa: E402  (after the version check: a mismatched _C may not even load)
 from . import ops, reference  # noqa: E402
+from . import quantized  # noqa: E402  (importable as muon_ext.quantized; not in __all__)
 from .grouping import param_groups  # noqa: E402
 from .offload import OffloadConfig  # noqa: E402
 from .optimizer import MuonAdamW  # noqa: E402

@@ -20,6 +20,8 @@ __all__ = [
     "polar_express",
     "muon_lr_factor",
     "muon_step",
+    "quantize_fp8",
+    "dequantize_fp8",
 ]
 
 
@@ -299,3 +301,43 @@ def _normuon_multipliers(x: torch.Tensor, second_moment: torch.Tensor, beta2: fl
     n0 = _sqrt(sum_vm * _f32(float(reduced)))
     ratio = n0 / torch.clamp_min(_sqrt(sum_scaled), 1e-10)
     return s * ratio
+
+
+# ---------------------------------------------------------------------------
+# FP8 (e4m3fn) quantization with block scales (muon_ext.quantized)
+# ---------------------------------------------------------------------------
+
+
+def _expand_blocks(scales: torch.Tensor, shape, block) -> torch.Tensor:
+    """Each block's scale repeated over its elements (edge blocks cut to shape)."""
+    if block is None:
+        return scales
+    rows, cols = shape
+    return scales.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:rows, :cols]
+
+
+def quantize_fp8(master: torch.Tensor, block=(128, 128)) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(q, scale_inv): amax = max |x| over a block's finite elements, scale_inv
+    = amax / 448 in FP32 (1 where that is 0), q = e4m3fn(clamp(x / scale_inv,
+    -448, 448)) with torch's round-to-nearest-even conversion; NaN gives NaN
+    with the master's sign."""
+    if master.dtype != torch.float32:
+        raise TypeError(f"quantize_fp8: master must be float32, got {master.dtype}")
+    magnitude = torch.where(torch.isfinite(master), master.abs(), torch.zeros((), dtype=torch.float32))
+    if block is None:
+        amax = magnitude.amax() if master.numel() else torch.zeros((), dtype=torch.float32)
+    else:
+        rows, cols = master.shape
+        br, bc = block
+        padded = torch.nn.functional.pad(magnitude, (0, -cols % bc, 0, -rows % br))
+        amax = padded.reshape(padded.shape[0] // br, br, padded.shape[1] // bc, bc).amax(dim=(1, 3))
+    scale_inv = amax / torch.tensor(448.0)
+    scale_inv = torch.where(scale_inv == 0, torch.ones((), dtype=torch.float32), scale_inv)
+    scaled = (master / _expand_blocks(scale_inv, master.shape, block)).clamp(-448.0, 448.0)
+    # NaN keeps its sign: taken from the master, not from the arithmetic.
+    return torch.where(torch.isnan(master), master, scaled).to(torch.float8_e4m3fn), scale_inv
+
+
+def dequantize_fp8(q: torch.Tensor, scale_inv: torch.Tensor, block=(128, 128)) -> torch.Tensor:
+    """q * scale_inv of its block, in FP32 (exact: 4 + 24 significant bits)."""
+    return q.to(torch.float32) * _expand_blocks(scale_inv, q.shape, block)

@@ -289,3 +289,33 @@ def test_writer_in_the_staged_path(buffer_count):
     staged_fp32 = _opt(fp32, offload="cpu")
     with pytest.raises(ValueError, match="with offload='cpu', writers are supported"):
         staged_fp32.register_param_writer(fp32[0], Recorder(fp32[0].shape))
+
+
+def test_fp8_writer_keeps_an_inference_copy_of_a_released_param():
+    # The use case: BF16 expert weights released, the FP8 copy (DeepSeek block layout) written each step.
+    from muon_ext import quantized, reference
+
+    shapes = [(160, 136), (160, 136), (12,)]
+    params = [torch.nn.Parameter(v.bfloat16()) for v in bf16_values(shapes, seed=4)]
+    groups = [{"params": params[:2], "kind": "muon", "lr": 0.02}, {"params": params[2:], "kind": "adamw"}]
+    opt = muon_ext.MuonAdamW(groups, adapters=False)
+    copies = []
+    for p in params[:2]:
+        q = torch.zeros(p.shape, dtype=torch.float8_e4m3fn)
+        scale_inv = torch.zeros(quantized.scale_inv_shape(p.shape, (128, 128)))
+        opt.register_param_writer(p, quantized.Fp8Writer(q, scale_inv), storage=p.untyped_storage())
+        p.untyped_storage().resize_(0)
+        copies.append((q, scale_inv))
+    grads = grad_seq(shapes, 3)
+    for k in range(3):
+        _step(opt, params, grads[k])
+        for p, (q, scale_inv) in zip(params, copies):
+            want_q, want_scale = reference.quantize_fp8(opt.get_full_parameter_master(p), block=(128, 128))
+            assert_bit_equal(q, want_q, f"FP8 copy after step {k}")
+            assert_bit_equal(scale_inv, want_scale, f"FP8 scales after step {k}")
+    # A GradScaler-skipped step leaves the FP8 copy as it is.
+    before = [q.clone() for q, _ in copies]
+    opt.found_inf, opt.grad_scale = torch.ones(()), torch.ones(())
+    _step(opt, params, grads[0])
+    for (q, _), b in zip(copies, before):
+        assert_bit_equal(q, b, "skipped step")
