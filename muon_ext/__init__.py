@@ -1,7 +1,8 @@
 """muon_ext: a fast, memory-lean Muon + AdamW optimizer for PyTorch (CPU and CUDA).
 
-Public API: `MuonAdamW` (with `OffloadConfig`) and `param_groups`, `muon_ext.ops` (the kernels) and
-`muon_ext.reference` (the plain PyTorch math they are tested against).
+Public API: `MuonAdamW` (with `OffloadConfig`) and `param_groups`, `muon_ext.ops` (the kernels),
+`muon_ext.quantized` (FP8 copies and their param writer) and `muon_ext.reference` (the plain
+PyTorch math they are tested against).
 """
 
 import torch
@@ -22,7 +23,7 @@ if str(torch.__version__) != _BUILT_TORCH_VERSION:
 
 from . import _C  # noqa: E402  (after the version check: a mismatched _C may not even load)
 from . import ops, reference  # noqa: E402
-from . import quantized  # noqa: E402  (importable as muon_ext.quantized; not in __all__)
+from . import quantized  # noqa: E402
 from .grouping import param_groups  # noqa: E402
 from .offload import OffloadConfig  # noqa: E402
 from .optimizer import MuonAdamW  # noqa: E402
@@ -30,4 +31,4 @@ from .optimizer import MuonAdamW  # noqa: E402
 __version__ = "0.1.0"
 with_cuda = bool(_C.with_cuda)
 
-__all__ = ["MuonAdamW", "OffloadConfig", "param_groups", "ops", "reference", "with_cuda", "__version__"]
+__all__ = ["MuonAdamW", "OffloadConfig", "param_groups", "ops", "quantized", "reference", "with_cuda", "__version__"]

@@ -94,7 +94,7 @@ def test_no_private_names_are_imported_from_sibling_modules():
 
 
 def test_public_api_stays_small():
-    assert sorted(muon_ext.__all__) == sorted(["MuonAdamW", "OffloadConfig", "param_groups", "ops", "reference",
+    assert sorted(muon_ext.__all__) == sorted(["MuonAdamW", "OffloadConfig", "param_groups", "ops", "quantized", "reference",
                                                "with_cuda", "__version__"])
 
 
