@@ -9,15 +9,18 @@ they are where CPU-staged state and distributed Muon will attach.
 
 from __future__ import annotations
 
+import sys
 from typing import Callable, Dict, Iterable, List, Optional
 
 import torch
 
 from . import checkpoint, ops, schema
 from ._shapes import as_matrices
-from ._types import ParamInfo, WorkItem
+from ._types import ParamInfo, WorkItem, is_dtensor
 from .amp import GradScalerInputs, capturing, device_lr
 from .buckets import StepPlanner
+from .distributed.placements import holds_full, local
+from .distributed.step import DistributedStep, dtensor_infos
 from .state import OptimizerState, check_master_values
 
 __all__ = ["MuonAdamW"]
@@ -61,6 +64,7 @@ class MuonAdamW(torch.optim.Optimizer):
         self.capturable = bool(capturable)
         self.max_workspace_bytes = int(max_workspace_bytes)
         self._planner = StepPlanner(master_weights, self.store_param_remainders)
+        self._distributed = DistributedStep()
         self._states: Optional[OptimizerState] = None  # made by the first add_param_group, on torch's self.state
         if isinstance(params, (torch.Tensor, set, frozenset)):
             raise TypeError(f"params must be a list of param groups, not a {type(params).__name__}")
@@ -83,6 +87,7 @@ class MuonAdamW(torch.optim.Optimizer):
         state.setdefault("capturable", False)
         super().__setstate__(state)
         self._planner = StepPlanner(self.master_weights, self.store_param_remainders)
+        self._distributed = DistributedStep()
         self._states = OptimizerState(self.state, self.master_weights, self.store_param_remainders)
         for index, group in enumerate(self.param_groups):
             self._states.register(index, group, group.get("param_names"))
@@ -129,8 +134,12 @@ class MuonAdamW(torch.optim.Optimizer):
                 loss = closure()
         try:
             schema.check_options(self.master_weights, self.grad_attr, self.max_workspace_bytes)
-            work = self._planner.plan(self.param_groups, self._states.infos, self._states.tensors, self.grad_attr,
-                                      hasattr(self, "found_inf"))
+            try:
+                work = self._planner.plan(self.param_groups, self._states.infos, self._states.tensors,
+                                          self.grad_attr, hasattr(self, "found_inf"))
+            finally:  # DTensor params: every rank joins the agreement, also one whose planning just failed
+                dwork = self._distributed.plan(self._planner, self.param_groups, self._states.infos,
+                                               self._states.tensors, self.grad_attr, failed=sys.exc_info()[0] is not None)
         except Exception:
             # GradScaler deletes these only after a step returns: drop them so
             # that a later step does not unscale with this step's scale.
@@ -150,6 +159,8 @@ class MuonAdamW(torch.optim.Optimizer):
             self._scatter(item)
             self._write(item)
             self._release(item)
+        if dwork:
+            self._distributed.run(dwork, self.param_groups, self._states, scalers, self.max_workspace_bytes)
         return loss
 
     def _acquire(self, item: WorkItem) -> None:
@@ -222,7 +233,7 @@ class MuonAdamW(torch.optim.Optimizer):
         if capturing():
             raise RuntimeError("update_param: not allowed during CUDA graph capture")
         self._check_params([info], all_state=False, reading=False)
-        if not allow_nonfinite and not bool(torch.isfinite(values).all()):
+        if not allow_nonfinite and not bool(torch.isfinite(local(values)).all()):  # DTensor: this rank's part
             raise ValueError(f"update_param: the values for {info.name} hold NaN or inf; a non-finite master "
                              "poisons every later step (pass allow_nonfinite=True to write them anyway)")
         self._states.init(info, self.param_groups[info.group])
@@ -238,13 +249,28 @@ class MuonAdamW(torch.optim.Optimizer):
         """
         info = self._states.info(param)
         self._check_params([info], all_state=False, reading=True)
+        if is_dtensor(param):
+            return local(self._states.read_master(info)) if holds_full(param) else None
         return self._states.read_master(info)
+
+    def gather_full_parameter_master(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """A collective over a DTensor param's mesh: every rank of it gets the
+        full FP32 master as a new plain tensor (every rank must call it, in the
+        same order). For a plain param, `get_full_parameter_master`."""
+        info = self._states.info(param)
+        self._check_params([info], all_state=False, reading=True)
+        master = self._states.read_master(info)
+        return master.full_tensor() if is_dtensor(master) else master
 
     def _check_params(self, infos: Iterable[ParamInfo], *, all_state: bool, reading: bool) -> None:
         """Outside a step, before params and masters are read or written: the step's checks (storage held, master
         mode for the dtype, state dtypes, shapes and devices), naming the param."""
-        self._planner.check_params(infos, self.param_groups, self._states.tensors, all_state=all_state,
-                                   reading=reading)
+        infos = list(infos)
+        sharded = dtensor_infos(infos)
+        self._planner.check_params([i for i in infos if not is_dtensor(i.param)], self.param_groups,
+                                   self._states.tensors, all_state=all_state, reading=reading)
+        self._distributed.check(self._planner, sharded, self.param_groups, self._states.tensors,
+                                all_state=all_state, reading=reading)
 
     # ------------------------------------------------------------------
     # Checkpoints
