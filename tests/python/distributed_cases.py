@@ -10,6 +10,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from dist_helpers import assert_same_on_every_rank, bits
 from muon_ext import MuonAdamW
+from muon_ext.distributed.placements import chunk_rows
 
 # Muon matrices per exchange group: wide, tall, square, rows % W != 0, rows < W,
 # a group of three (N % W != 0, N < W at W = 4), a group of one (N < W).
@@ -17,6 +18,18 @@ SHARDED_MUON = [(6, 10), (10, 6), (8, 8), (7, 5), (3, 9), (1, 6), (9, 4), (9, 4)
 SHARDED_ADAMW = [(5,), (3,), (7, 3)]
 REPLICATED_MUON = [(6, 10), (10, 6), (4, 4), (4, 4), (4, 4)]
 STEPS = 3
+
+
+def dtensor(full, mesh, placements):
+    """`full` as a DTensor with `placements` (Replicate / Shard(0)), cut locally: no communication, so one rank
+    alone may call it (distribute_tensor is a collective)."""
+    local = full
+    for dim, pl in enumerate(placements):
+        if pl.is_shard():
+            start, count = chunk_rows(full.shape[0], mesh.size(dim))[mesh.get_local_rank(dim)]
+            local = full[start:start + count]
+    return DTensor.from_local(local.clone(), mesh, placements, run_check=False, shape=full.shape,
+                              stride=full.stride())
 
 
 def meshes(shape):
@@ -54,7 +67,7 @@ def sharded_matches_single_process(rank, world, mesh_shape):
         values = _values(dtype, seed=0)
         ref_params = [[torch.nn.Parameter(v.clone()) for v in group] for group in values]
         placements = [shard, shard, shard, rep, rep]
-        params = [[torch.nn.Parameter(distribute_tensor(v.clone(), mesh, pl)) for v in group]
+        params = [[torch.nn.Parameter(dtensor(v.clone(), mesh, pl)) for v in group]
                   for group, pl in zip(values, placements)]
         ref = MuonAdamW(_groups(ref_params))
         opt = MuonAdamW(_groups(params))
@@ -64,7 +77,7 @@ def sharded_matches_single_process(rank, world, mesh_shape):
                 for rp, p in zip(group_ref, group):
                     g = torch.randn(rp.shape, generator=gen).to(dtype)
                     rp.grad = g.clone()
-                    p.grad = distribute_tensor(g, mesh, pl)
+                    p.grad = dtensor(g, mesh, pl)
             ref.step()
             opt.step()
         for group_ref, group in zip(ref_params, params):
@@ -92,3 +105,159 @@ def sharded_matches_single_process(rank, world, mesh_shape):
                     assert_same_on_every_rank(value.to_local(), f"replicated state {key}")
     muon_bytes = opt._distributed.bytes_sent if world > 1 else 0
     assert muon_bytes >= 0
+
+
+# ---------------------------------------------------------------------------
+# refusals: None grads on some ranks, a check failing on one rank
+# ---------------------------------------------------------------------------
+
+
+def _local_snapshot(opt):
+    """Bits of every param's and state tensor's local part on this rank."""
+    out = []
+    for group in opt.param_groups:
+        for p in group["params"]:
+            out.append(bits(p.to_local() if isinstance(p, DTensor) else p).clone())
+            for value in opt.state[p].values():
+                out.append(bits(value.to_local() if isinstance(value, DTensor) else value).clone())
+    return out
+
+
+def _assert_unchanged(opt, before, what):
+    after = _local_snapshot(opt)
+    assert all(torch.equal(a, b) for a, b in zip(before, after)), f"{what}: state changed on rank {dist.get_rank()}"
+
+
+def _raises_everywhere(opt, rank, expected_here, match_here, match_elsewhere, bad_rank):
+    """opt.step() raises on every rank: `expected_here` matching `match_here` on `bad_rank` (None: every rank),
+    RuntimeError "refused on another rank" elsewhere; nothing changes on any rank."""
+    before = _local_snapshot(opt)
+    try:
+        opt.step()
+    except Exception as exc:  # noqa: BLE001 - the type is checked below
+        mine = bad_rank is None or rank == bad_rank
+        want_type, want = (expected_here, match_here) if mine else (RuntimeError, match_elsewhere)
+        assert isinstance(exc, want_type) and want in str(exc), f"rank {rank}: {type(exc).__name__}: {exc}"
+    else:
+        raise AssertionError(f"rank {rank}: step did not raise")
+    _assert_unchanged(opt, before, "refused step")
+
+
+def none_grads_and_refusals(rank, world, mesh_shape):
+    """A grad None on every rank skips the param; None on some ranks only,
+    or a check failing on one rank (a DTensor grad's placements, the plain
+    planner's lr check), raises on every rank before any rank writes, without hanging."""
+    mesh, shard, rep = meshes(mesh_shape)
+    gen = torch.Generator().manual_seed(3)
+    w = torch.nn.Parameter(dtensor(torch.randn(6, 4, generator=gen), mesh, shard))
+    b = torch.nn.Parameter(dtensor(torch.randn(5, generator=gen), mesh, shard))
+    r = torch.nn.Parameter(dtensor(torch.randn(3, generator=gen), mesh, rep))
+    plain = torch.nn.Parameter(torch.randn(2, 2, generator=gen))
+    opt = MuonAdamW([{"params": [w], "kind": "muon"}, {"params": [b, r, plain], "kind": "adamw"}])
+
+    def grads():
+        for p, pl in ((w, shard), (b, shard), (r, rep)):
+            p.grad = dtensor(torch.randn(p.shape, generator=gen), mesh, pl)
+        plain.grad = torch.randn(2, 2, generator=gen)
+
+    grads()
+    opt.step()
+    grads()
+    w.grad = None  # on every rank: skipped, its state untouched
+    w_before = [bits(w.to_local()).clone()] + [bits(v.to_local()).clone() for v in opt.state[w].values()]
+    step_before = opt.state[b]["step"].to_local().clone()
+    opt.step()
+    assert torch.equal(bits(w.to_local()), w_before[0])
+    assert all(torch.equal(bits(v.to_local()), old) for v, old in zip(opt.state[w].values(), w_before[1:]))
+    assert float(opt.state[b]["step"].to_local()) == float(step_before) + 1
+
+    if world > 1:
+        grads()
+        if rank == world - 1:
+            b.grad = None
+        _raises_everywhere(opt, rank, ValueError, f"has a grad on {world - 1} of {world} ranks", "", None)
+    grads()
+    if rank == 0:
+        w.grad = dtensor(torch.randn(6, 4, generator=gen), mesh, rep)  # e.g. not reduce-scattered
+    _raises_everywhere(opt, rank, ValueError, "grad has placements", "refused on another rank", 0)
+    grads()
+    if rank == world - 1:  # the plain planner refuses on this rank only
+        opt.param_groups[1]["lr"] = -1.0
+    _raises_everywhere(opt, rank, ValueError, "lr", "refused on another rank", world - 1)
+    opt.param_groups[1]["lr"] = 1e-3
+    grads()
+    opt.step()  # the optimizer still steps after the refusals
+
+
+# ---------------------------------------------------------------------------
+# update_param / get_full_parameter_master with DTensors
+# ---------------------------------------------------------------------------
+
+
+def update_param_with_dtensors(rank, world, mesh_shape):
+    """DTensor values must match the param's mesh, placements, global and
+    local shape and be FP32; every refusal leaves every rank's state as it
+    was; accepted values become the master on every rank, as in a single
+    process."""
+    mesh, shard, rep = meshes(mesh_shape)
+    gen = torch.Generator().manual_seed(4)
+    start = [0.1 * torch.randn(7, 5, generator=gen), 0.1 * torch.randn(4, generator=gen)]
+    w = torch.nn.Parameter(dtensor(start[0].bfloat16(), mesh, shard))
+    r = torch.nn.Parameter(dtensor(start[1], mesh, rep))
+    opt = MuonAdamW([{"params": [w], "kind": "muon"}, {"params": [r], "kind": "adamw"}])
+    ref_w, ref_r = torch.nn.Parameter(start[0].bfloat16()), torch.nn.Parameter(start[1].clone())
+    ref = MuonAdamW([{"params": [ref_w], "kind": "muon"}, {"params": [ref_r], "kind": "adamw"}])
+    new = torch.randn(7, 5, generator=gen)
+    rows = [4, 3] if world == 2 else None
+
+    cases = [
+        (new, TypeError, "must be a DTensor too"),
+        (dtensor(new, mesh, rep), ValueError, "placements"),
+        (dtensor(torch.randn(8, 5), mesh, shard), ValueError, "shape (8, 5)"),
+        (dtensor(new.double(), mesh, shard), TypeError, "float32"),
+        (dtensor(new.bfloat16(), mesh, shard), TypeError, "float32"),
+        (dtensor(torch.full((7, 5), float("nan")), mesh, shard), ValueError, "NaN or inf"),
+    ]
+    if len(mesh_shape) == 1 and world > 1:
+        other = torch.distributed.device_mesh.DeviceMesh("cpu", list(reversed(range(world))))
+        cases.append((dtensor(new, other, shard), ValueError, "mesh"))
+    if rows is not None:  # same global shape, local rows against the chunk rule (3, 4 instead of 4, 3)
+        local = new[:3] if rank == 0 else new[3:]
+        cases.append((DTensor.from_local(local, mesh, shard, run_check=False, shape=(7, 5), stride=(5, 1)),
+                      ValueError, "local shape"))
+    for values, error, match in cases:
+        before = _local_snapshot(opt)
+        try:
+            opt.update_param(w, values)
+        except error as exc:
+            assert match in str(exc), f"{match!r} not in {exc}"
+        else:
+            raise AssertionError(f"update_param accepted values expected to fail with {match!r}")
+        _assert_unchanged(opt, before, f"update_param refused ({match})")
+    with_plain = torch.randn(4)
+    try:
+        opt.update_param(r, with_plain)
+    except TypeError as exc:
+        assert "must be a DTensor too" in str(exc)
+    else:
+        raise AssertionError("plain values for a replicated DTensor param were accepted")
+
+    opt.update_param(w, dtensor(new, mesh, shard))
+    opt.update_param(r, dtensor(new[0, :4].clone(), mesh, rep))
+    ref.update_param(ref_w, new)
+    ref.update_param(ref_r, new[0, :4].clone())
+    for p, rp in ((w, ref_w), (r, ref_r)):
+        assert torch.equal(bits(p.full_tensor()), bits(rp))
+        assert torch.equal(bits(opt.gather_full_parameter_master(p)), bits(ref.get_full_parameter_master(rp)))
+    assert torch.equal(bits(opt.gather_full_parameter_master(w)), bits(new))
+    assert (opt.get_full_parameter_master(w) is None) == (mesh_shape[-1] > 1)
+    held = opt.get_full_parameter_master(r)
+    assert type(held) is torch.Tensor and torch.equal(bits(held), bits(new[0, :4]))
+    held.add_(1.0)  # a fresh tensor: the master is not written through it
+    assert torch.equal(bits(opt.get_full_parameter_master(r)), bits(new[0, :4]))
+
+
+def run_all(rank, world, cases):
+    """Runs several (case, mesh_shape) pairs in one spawned job."""
+    for case, mesh_shape in cases:
+        case(rank, world, mesh_shape)

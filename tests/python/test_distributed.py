@@ -14,3 +14,12 @@ def test_sharded_and_replicated_steps_match_single_process(tmp_path, mesh_shape)
     for size in mesh_shape:
         world *= size
     spawn(tmp_path, world, cases.sharded_matches_single_process, mesh_shape)
+
+
+@pytest.mark.parametrize("mesh_shape", [(2,), (2, 2)], ids=["W2", "hsdp2x2"])
+def test_none_grads_refusals_and_update_param(tmp_path, mesh_shape):
+    world = 1
+    for size in mesh_shape:
+        world *= size
+    spawn(tmp_path, world, cases.run_all, [(cases.none_grads_and_refusals, mesh_shape),
+                                           (cases.update_param_with_dtensors, mesh_shape)])
