@@ -257,7 +257,85 @@ def update_param_with_dtensors(rank, world, mesh_shape):
     assert torch.equal(bits(opt.get_full_parameter_master(r)), bits(new[0, :4]))
 
 
-def run_all(rank, world, cases):
-    """Runs several (case, mesh_shape) pairs in one spawned job."""
+def run_all(rank, world, cases, *args):
+    """Runs several (case, mesh_shape) pairs in one spawned job, passing `args` on."""
     for case, mesh_shape in cases:
-        case(rank, world, mesh_shape)
+        case(rank, world, mesh_shape, *args)
+
+
+# ---------------------------------------------------------------------------
+# torch.distributed.checkpoint: save at one world size, resume at another
+# ---------------------------------------------------------------------------
+
+DCP_PARAMS = {"w_tall": ((7, 5), "muon", True), "w_wide": ((3, 9), "muon", True), "w_a": ((9, 4), "muon", True),
+              "w_b": ((9, 4), "muon", True), "bias": ((5,), "adamw", True), "norm": ((3,), "adamw", False)}
+
+
+def _dcp_model(mesh, shard, rep, seed):
+    """(module, optimizer) over DCP_PARAMS as BF16 DTensors (sharded or replicated), values from `seed`."""
+    gen = torch.Generator().manual_seed(seed)
+    model = torch.nn.Module()
+    for name, (shape, _, sharded) in DCP_PARAMS.items():
+        value = (0.1 * torch.randn(shape, generator=gen)).bfloat16()
+        model.register_parameter(name, torch.nn.Parameter(dtensor(value, mesh, shard if sharded else rep)))
+    return model, MuonAdamW(_dcp_groups(dict(model.named_parameters())))
+
+
+def _dcp_groups(params):
+    return [{"params": [params[n] for n, (_, kind, _) in DCP_PARAMS.items() if kind == "muon"], "kind": "muon",
+             "lr": 0.02},
+            {"params": [params[n] for n, (_, kind, _) in DCP_PARAMS.items() if kind == "adamw"], "kind": "adamw",
+             "lr": 0.01}]
+
+
+def _dcp_steps(opt, params, first, last, make):
+    for step in range(first, last):
+        gen = torch.Generator().manual_seed(1000 + step)
+        for name, (shape, _, _) in DCP_PARAMS.items():
+            params[name].grad = make(name, torch.randn(shape, generator=gen).bfloat16())
+        opt.step()
+
+
+def dcp_save(rank, world, mesh_shape, path):
+    """Two steps, then a DCP checkpoint of the model and the optimizer."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    mesh, shard, rep = meshes(mesh_shape)
+    model, opt = _dcp_model(mesh, shard, rep, seed=7)
+    params = dict(model.named_parameters())
+    place = lambda n, g: dtensor(g, mesh, shard if DCP_PARAMS[n][2] else rep)  # noqa: E731
+    _dcp_steps(opt, params, 0, 2, place)
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+             checkpoint_id=path)
+
+
+def dcp_resume(rank, world, mesh_shape, path):
+    """Loads the checkpoint into a fresh model and optimizer at this world
+    size, steps twice, and equals four uninterrupted single-process steps, bit for bit."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    mesh, shard, rep = meshes(mesh_shape)
+    model, opt = _dcp_model(mesh, shard, rep, seed=8)  # other values: the load must replace them
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+    params = dict(model.named_parameters())
+    place = lambda n, g: dtensor(g, mesh, shard if DCP_PARAMS[n][2] else rep)  # noqa: E731
+    _dcp_steps(opt, params, 2, 4, place)
+
+    gen = torch.Generator().manual_seed(7)
+    ref_params = {name: torch.nn.Parameter((0.1 * torch.randn(shape, generator=gen)).bfloat16())
+                  for name, (shape, _, _) in DCP_PARAMS.items()}
+    ref = MuonAdamW(_dcp_groups(ref_params))
+    _dcp_steps(ref, ref_params, 0, 4, lambda n, g: g)
+    for name, rp in ref_params.items():
+        p = params[name]
+        assert torch.equal(bits(p.full_tensor()), bits(rp)), name
+        assert torch.equal(bits(opt.gather_full_parameter_master(p)), bits(ref.get_full_parameter_master(rp))), name
+        for key, value in ref.state[rp].items():
+            if key != "master_param":
+                assert torch.equal(bits(opt.state[p][key].full_tensor()), bits(value)), f"{name} {key}"

@@ -23,3 +23,12 @@ def test_none_grads_refusals_and_update_param(tmp_path, mesh_shape):
         world *= size
     spawn(tmp_path, world, cases.run_all, [(cases.none_grads_and_refusals, mesh_shape),
                                            (cases.update_param_with_dtensors, mesh_shape)])
+
+
+def test_dcp_save_at_w2_resume_at_w4_and_w1(tmp_path):
+    """torch.distributed.checkpoint with get/set_optimizer_state_dict: saved
+    at W=2, resumed at W=4 (and 2x2 HSDP) and W=1, equal to never stopping."""
+    path = str(tmp_path / "ckpt")
+    spawn(tmp_path, 2, cases.run_all, [(cases.dcp_save, (2,))], path)
+    spawn(tmp_path, 4, cases.run_all, [(cases.dcp_resume, (4,)), (cases.dcp_resume, (2, 2))], path)
+    spawn(tmp_path, 1, cases.run_all, [(cases.dcp_resume, (1,))], path)
