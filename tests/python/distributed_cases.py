@@ -57,7 +57,7 @@ def _values(dtype, seed):
     return [[(0.1 * torch.randn(s, generator=gen)).to(dtype) for s in group] for group in shapes]
 
 
-def sharded_matches_single_process(rank, world, mesh_shape):
+def sharded_matches_single_process(rank, world, mesh_shape, *_):
     """Sharded Muon (owner exchange), replicated Muon (all_gather) and AdamW on
     shards step like the single-process optimizer, bit for bit, in FP32 and
     BF16 + remainders; replicas stay bit-identical; state is DTensors on the
@@ -143,7 +143,7 @@ def _raises_everywhere(opt, rank, expected_here, match_here, match_elsewhere, ba
     _assert_unchanged(opt, before, "refused step")
 
 
-def none_grads_and_refusals(rank, world, mesh_shape):
+def none_grads_and_refusals(rank, world, mesh_shape, *_):
     """A grad None on every rank skips the param; None on some ranks only,
     or a check failing on one rank (a DTensor grad's placements, the plain
     planner's lr check), raises on every rank before any rank writes, without hanging."""
@@ -194,7 +194,7 @@ def none_grads_and_refusals(rank, world, mesh_shape):
 # ---------------------------------------------------------------------------
 
 
-def update_param_with_dtensors(rank, world, mesh_shape):
+def update_param_with_dtensors(rank, world, mesh_shape, *_):
     """DTensor values must match the param's mesh, placements, global and
     local shape and be FP32; every refusal leaves every rank's state as it
     was; accepted values become the master on every rank, as in a single
@@ -339,3 +339,76 @@ def dcp_resume(rank, world, mesh_shape, path):
         for key, value in ref.state[rp].items():
             if key != "master_param":
                 assert torch.equal(bits(opt.state[p][key].full_tensor()), bits(value)), f"{name} {key}"
+
+
+# ---------------------------------------------------------------------------
+# a small transformer under FSDP2 (fully_shard)
+# ---------------------------------------------------------------------------
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(d)
+        self.qkv = torch.nn.Linear(d, 3 * d, bias=False)
+        self.proj = torch.nn.Linear(d, d, bias=False)
+        self.up = torch.nn.Linear(d, 3 * d + 1)  # odd rows: uneven shards
+        self.down = torch.nn.Linear(3 * d + 1, d)
+
+    def forward(self, x):
+        q, k, v = self.qkv(self.norm(x)).chunk(3, dim=-1)
+        x = x + self.proj(torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+class TinyGPT(torch.nn.Module):
+    def __init__(self, vocab=29, d=16, layers=2):
+        super().__init__()
+        self.wte = torch.nn.Embedding(vocab, d)
+        self.blocks = torch.nn.ModuleList(_Block(d) for _ in range(layers))
+        self.lm_head = torch.nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx):
+        x = self.wte(idx)
+        for block in self.blocks:
+            x = block(x)
+        return torch.nn.functional.cross_entropy(self.lm_head(x).flatten(0, 1).float(), idx.roll(-1, 1).flatten())
+
+
+def _train(model, steps, dtype):
+    from muon_ext import param_groups
+
+    opt = MuonAdamW(param_groups(model, lr=0.02, adamw_lr=0.01, weight_decay=0.1))
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(steps):
+        # Every rank trains on the same batch: FSDP's mean of W equal grads is
+        # exact at W = 1, 2, 4, so the sharded run can match bit for bit.
+        idx = torch.randint(0, 29, (2, 8), generator=gen)
+        model(idx).backward()
+        opt.step()
+        opt.zero_grad()
+    return opt
+
+
+def fsdp2_matches_unsharded(rank, world, mesh_shape, *_, steps=3):
+    """A small transformer under fully_shard (1-D mesh, or a 2-D mesh: HSDP)
+    trains `steps` steps to the very params of the unsharded run, with FP32
+    params and with BF16 params + remainders."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = meshes(mesh_shape)[0]
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        ref = TinyGPT().to(dtype)
+        model = TinyGPT().to(dtype)
+        model.load_state_dict(ref.state_dict())
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        ref_opt = _train(ref, steps, dtype)
+        opt = _train(model, steps, dtype)
+        for (name, rp), (_, p) in zip(ref.named_parameters(), model.named_parameters()):
+            assert isinstance(p, DTensor)
+            assert torch.equal(bits(p.full_tensor()), bits(rp)), f"{name} {dtype}"
+            assert torch.equal(bits(opt.gather_full_parameter_master(p)),
+                               bits(ref_opt.get_full_parameter_master(rp))), f"{name} master {dtype}"
