@@ -138,8 +138,9 @@ class MuonAdamW(torch.optim.Optimizer):
                 work = self._planner.plan(self.param_groups, self._states.infos, self._states.tensors,
                                           self.grad_attr, hasattr(self, "found_inf"))
             finally:  # DTensor params: every rank joins the agreement, also one whose planning just failed
+                failed = sys.exc_info()[0] is not None
                 dwork = self._distributed.plan(self._planner, self.param_groups, self._states.infos,
-                                               self._states.tensors, self.grad_attr, failed=sys.exc_info()[0] is not None)
+                                               self._states.tensors, self.grad_attr, failed=failed)
         except Exception:
             # GradScaler deletes these only after a step returns: drop them so
             # that a later step does not unscale with this step's scale.

@@ -9,7 +9,9 @@ sends each rank its rows back. Replicated: every rank holds every matrix; each
 orthogonalizes its own and one all_gather hands the results to all ranks, so
 replicas stay bit-identical. Nothing is sent for the padding of N to a
 multiple of W (owners just hold one matrix fewer), and no padding enters an
-orthogonalization. Each function returns the bytes this rank sent.
+orthogonalization. Groups of one rank do not come here (step.py runs the
+fused single-device step). Each function returns the bytes this rank sent to other
+ranks (the part of a send buffer addressed to itself is not counted).
 """
 
 from __future__ import annotations
@@ -85,7 +87,7 @@ def exchange_sharded(layout: Layout, rows: int, cols: int, updates: List[torch.T
             if normuon:
                 stats[j].copy_(ret[offset:offset + back_stat].view(stats[j].shape))
                 offset += back_stat
-    return (send.numel() + back.numel()) * send.element_size()
+    return (send.numel() - send_splits[me] + back.numel() - back_splits[me]) * send.element_size()
 
 
 def exchange_replicated(layout: Layout, updates: List[torch.Tensor], stats: List[torch.Tensor],
@@ -98,8 +100,6 @@ def exchange_replicated(layout: Layout, updates: List[torch.Tensor], stats: List
     mine = list(range(me, n, world))
     if mine:
         orthogonalize([updates[j] for j in mine], [stats[j] for j in mine] if stats else [])
-    if world == 1:
-        return 0
     slot = updates[0].numel() + (stats[0].numel() if stats else 0)
     per_rank = -(-n // world)
     packed = updates[0].new_zeros(per_rank * slot)  # the last slots of some ranks stay padding
@@ -115,7 +115,7 @@ def exchange_replicated(layout: Layout, updates: List[torch.Tensor], stats: List
             updates[j].copy_(data[:updates[j].numel()].view(updates[j].shape))
             if stats:
                 stats[j].copy_(data[updates[j].numel():].view(stats[j].shape))
-    return packed.numel() * packed.element_size()
+    return packed.numel() * packed.element_size() * (world - 1)
 
 
 def _row_pieces(update: torch.Tensor, stat: Optional[torch.Tensor]) -> List[torch.Tensor]:
@@ -139,8 +139,6 @@ def _cat(pieces: List[torch.Tensor], like: List[torch.Tensor]) -> torch.Tensor:
 
 
 def _all_to_all(layout: Layout, send: torch.Tensor, send_splits: List[int], recv_splits: List[int]) -> torch.Tensor:
-    if layout.size() == 1:
-        return send
     recv = send.new_empty(sum(recv_splits))
     dist.all_to_all_single(recv, send, recv_splits, send_splits, group=layout.group())
     return recv

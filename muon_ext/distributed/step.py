@@ -43,7 +43,8 @@ class _Entry(NamedTuple):
 
 class DistributedStep:
     """Plans and runs the DTensor params' part of `MuonAdamW.step`.
-    `bytes_sent`: bytes this rank has sent in Muon exchanges (all steps)."""
+    `bytes_sent`: bytes this rank has sent to other ranks in Muon exchanges
+    (all steps; the small agreement collective is not counted)."""
 
     def __init__(self):
         self.bytes_sent = 0
@@ -198,6 +199,9 @@ class DistributedStep:
             return t.reshape(t.shape[0], cols) if sharded else as_matrices(t, view)
 
         moms = [mat(local(tensors[e.info.param]["momentum_buffer"])) for e in entries]
+        if layout.size() == 1:  # every matrix is whole here: the fused single-device step, same bits
+            self._muon_fused(group, entries, moms, mat, tensors, inv_scale, found_inf, max_workspace_bytes)
+            return
         updates = [m.new_empty(m.shape) for m in moms]
         for batch in _batches(list(range(len(entries))), lambda i: entries[i].grad.dtype):
             ops.muon_momentum([mat(entries[i].grad) for i in batch], [moms[i] for i in batch],
@@ -223,6 +227,23 @@ class DistributedStep:
             ops.muon_apply([mat(entries[i].param) for i in batch], [updates[i] for i in batch], masters=masters,
                            lr=group["lr"], weight_decay=group["weight_decay"], lr_scale=group["lr_scale"],
                            matrix_shape=(rows, cols), found_inf=found_inf)
+
+
+    @staticmethod
+    def _muon_fused(group: dict, entries: List[_Entry], moms, mat, tensors, inv_scale, found_inf,
+                    max_workspace_bytes: int) -> None:
+        for batch in _batches(list(range(len(entries))),
+                              lambda i: (entries[i].param.dtype, entries[i].info.master, entries[i].grad.dtype)):
+            state = [tensors[entries[i].info.param] for i in batch]
+            ops.muon_step(
+                [mat(entries[i].param) for i in batch], [mat(entries[i].grad) for i in batch], [moms[i] for i in batch],
+                [local(s["second_momentum_buffer"]) for s in state] if group["beta2"] is not None else [],
+                masters=[mat(local(s["master_param"])) for s in state if "master_param" in s], lr=group["lr"],
+                momentum=group["momentum"], nesterov=group["nesterov"], beta2=group["beta2"],
+                weight_decay=group["weight_decay"], ns_steps=group["ns_steps"],
+                ns_coefficients=group["ns_coefficients"], lr_scale=group["lr_scale"],
+                polar_dtype=group["polar_dtype"], inv_scale=inv_scale, found_inf=found_inf,
+                max_workspace_bytes=max_workspace_bytes)
 
 
 def _all_reduce_over(mesh, t: torch.Tensor) -> None:
