@@ -198,7 +198,8 @@ def update_param_with_dtensors(rank, world, mesh_shape, *_):
     """DTensor values must match the param's mesh, placements, global and
     local shape and be FP32; every refusal leaves every rank's state as it
     was; accepted values become the master on every rank, as in a single
-    process."""
+    process. State dicts of plain params do not load into DTensor params
+    (nor the reverse)."""
     mesh, shard, rep = meshes(mesh_shape)
     gen = torch.Generator().manual_seed(4)
     start = [0.1 * torch.randn(7, 5, generator=gen), 0.1 * torch.randn(4, generator=gen)]
@@ -255,6 +256,17 @@ def update_param_with_dtensors(rank, world, mesh_shape, *_):
     assert type(held) is torch.Tensor and torch.equal(bits(held), bits(new[0, :4]))
     held.add_(1.0)  # a fresh tensor: the master is not written through it
     assert torch.equal(bits(opt.get_full_parameter_master(r)), bits(new[0, :4]))
+    # A plain state dict into DTensor params, or the reverse, is refused before anything is loaded.
+    snaps = [_local_snapshot(opt), _local_snapshot(ref)]
+    for target, saved in ((opt, ref.state_dict()), (ref, opt.state_dict())):
+        try:
+            target.load_state_dict(saved)
+        except TypeError as exc:
+            assert "like the param" in str(exc), exc
+        else:
+            raise AssertionError("a state dict of the other kind (plain / DTensor) was loaded")
+    _assert_unchanged(opt, snaps[0], "plain state dict refused")
+    _assert_unchanged(ref, snaps[1], "DTensor state dict refused")
 
 
 def run_all(rank, world, cases, *args):
