@@ -24,7 +24,7 @@ def _worker(rank: int, world: int, store: str, fn, args) -> None:
         dist.destroy_process_group()
 
 
-def spawn(tmp_path, world: int, fn, *args, timeout_s: float = 150.0) -> None:
+def spawn(tmp_path, world: int, fn, *args, timeout_s: float = 300.0) -> None:
     """Runs fn(rank, world, *args) on `world` spawned processes in one gloo
     group; fails if any raises or the job outlives `timeout_s`."""
     if not dist.is_available() or not dist.is_gloo_available():
