@@ -2,12 +2,15 @@
 whole, by one owner rank, and the work is spread over the ranks.
 
 Matrix j of a group of N same-key matrices is owned by rank j mod W of the
-group's work dim (`Layout.work_dim`). Sharded (Shard(0)): one all_to_all
+ranks that share the work (`Ranks`: one mesh dim). Sharded (Shard(0)): one all_to_all
 brings every rank's rows of matrix j (and their NorMuon statistics) to its
 owner, the owner runs `orthogonalize` on its whole matrices, one all_to_all
 sends each rank its rows back. Replicated: every rank holds every matrix; each
 orthogonalizes its own and one all_gather hands the results to all ranks, so
-replicas stay bit-identical. Nothing is sent for the padding of N to a
+replicas stay bit-identical. HSDP composes the two: the replicate dim splits
+a group's matrices as for replicated params, each replica's shard group runs
+the sharded exchange on its share, and the all_gather over the replicate dim
+hands each rank the rows of the other shares. Nothing is sent for the padding of N to a
 multiple of W (owners just hold one matrix fewer), and no padding enters an
 orthogonalization. Groups of one rank do not come here (step.py runs the
 fused single-device step). Each function returns the bytes this rank sent to other
@@ -21,20 +24,20 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from .placements import Layout, chunk_rows
+from .placements import Ranks, chunk_rows
 
 __all__ = ["exchange_sharded", "exchange_replicated"]
 
-Orthogonalize = Callable[[List[torch.Tensor], List[torch.Tensor]], None]
+Orthogonalize = Callable[[List[torch.Tensor], List[torch.Tensor]], Optional[int]]  # bytes it sent, if any
 
 
-def exchange_sharded(layout: Layout, rows: int, cols: int, updates: List[torch.Tensor],
+def exchange_sharded(ranks: Ranks, rows: int, cols: int, updates: List[torch.Tensor],
                      stats: List[torch.Tensor], stats_sharded: bool, orthogonalize: Orthogonalize) -> int:
     """`updates`: this rank's FP32 rows [r, cols] of each matrix; `stats`: their
     NorMuon second moments (empty without NorMuon), this rank's rows [r, 1] if
     `stats_sharded`, else the whole replicated [1, cols]. Both are overwritten
     with the orthogonalized rows and the updated statistics."""
-    world, me = layout.size(), layout.rank()
+    world, me = ranks.size, ranks.rank
     chunks = chunk_rows(rows, world)
     n = len(updates)
     mine = list(range(me, n, world))
@@ -46,7 +49,7 @@ def exchange_sharded(layout: Layout, rows: int, cols: int, updates: List[torch.T
                  for piece in _row_pieces(updates[j], stats[j] if row_stat else None)], updates)
     send_splits = [len(range(d, n, world)) * chunks[me][1] * (cols + row_stat) for d in range(world)]
     recv_splits = [len(mine) * chunks[s][1] * (cols + row_stat) for s in range(world)]
-    recv = _all_to_all(layout, send, send_splits, recv_splits)
+    recv = _all_to_all(ranks, send, send_splits, recv_splits)
 
     whole = updates[0].new_empty((len(mine), rows, cols))
     whole_stats = []
@@ -77,7 +80,7 @@ def exchange_sharded(layout: Layout, rows: int, cols: int, updates: List[torch.T
     stat_of = lambda s: (chunks[s][1] if stats_sharded else cols) if normuon else 0  # noqa: E731
     back_splits = [len(mine) * (chunks[s][1] * cols + stat_of(s)) for s in range(world)]
     ret_splits = [len(range(d, n, world)) * (chunks[me][1] * cols + back_stat) for d in range(world)]
-    ret = _all_to_all(layout, back, back_splits, ret_splits)
+    ret = _all_to_all(ranks, back, back_splits, ret_splits)
     offset = 0
     count = chunks[me][1]
     for d in range(world):
@@ -90,23 +93,28 @@ def exchange_sharded(layout: Layout, rows: int, cols: int, updates: List[torch.T
     return (send.numel() - send_splits[me] + back.numel() - back_splits[me]) * send.element_size()
 
 
-def exchange_replicated(layout: Layout, updates: List[torch.Tensor], stats: List[torch.Tensor],
+def exchange_replicated(ranks: Ranks, updates: List[torch.Tensor], stats: List[torch.Tensor],
                         orthogonalize: Orthogonalize) -> int:
-    """`updates` (FP32, whole matrices, identical on every rank) and their
-    NorMuon `stats` (or empty): rank r orthogonalizes matrices r, r + W, ...
-    in place; one all_gather gives every rank every result."""
-    world, me = layout.size(), layout.rank()
+    """`updates` (FP32, of one shape, each the same on every rank of `ranks`:
+    whole matrices, or under HSDP this rank's rows) and their NorMuon `stats`
+    (or empty): rank r has matrices r, r + W, ... orthogonalized in place by
+    `orthogonalize` (all ranks sharing r call it together); one all_gather
+    gives every rank every result."""
+    world, me = ranks.size, ranks.rank
     n = len(updates)
     mine = list(range(me, n, world))
+    sent = 0
     if mine:
-        orthogonalize([updates[j] for j in mine], [stats[j] for j in mine] if stats else [])
+        sent = orthogonalize([updates[j] for j in mine], [stats[j] for j in mine] if stats else []) or 0
     slot = updates[0].numel() + (stats[0].numel() if stats else 0)
+    if slot == 0:  # HSDP rows of a shard with no rows (the same on every rank of `ranks`)
+        return sent
     per_rank = -(-n // world)
     packed = updates[0].new_zeros(per_rank * slot)  # the last slots of some ranks stay padding
     for k, j in enumerate(mine):
         packed[k * slot:(k + 1) * slot].copy_(_slot(updates[j], stats[j] if stats else None))
     gathered = [torch.empty_like(packed) for _ in range(world)]
-    dist.all_gather(gathered, packed, group=layout.group())
+    dist.all_gather(gathered, packed, group=ranks.group)
     for d in range(world):
         for k, j in enumerate(range(d, n, world)):
             if d == me:
@@ -115,7 +123,7 @@ def exchange_replicated(layout: Layout, updates: List[torch.Tensor], stats: List
             updates[j].copy_(data[:updates[j].numel()].view(updates[j].shape))
             if stats:
                 stats[j].copy_(data[updates[j].numel():].view(stats[j].shape))
-    return packed.numel() * packed.element_size() * (world - 1)
+    return sent + packed.numel() * packed.element_size() * (world - 1)
 
 
 def _row_pieces(update: torch.Tensor, stat: Optional[torch.Tensor]) -> List[torch.Tensor]:
@@ -138,7 +146,7 @@ def _cat(pieces: List[torch.Tensor], like: List[torch.Tensor]) -> torch.Tensor:
     return torch.cat(pieces) if pieces else like[0].new_empty(0)
 
 
-def _all_to_all(layout: Layout, send: torch.Tensor, send_splits: List[int], recv_splits: List[int]) -> torch.Tensor:
+def _all_to_all(ranks: Ranks, send: torch.Tensor, send_splits: List[int], recv_splits: List[int]) -> torch.Tensor:
     recv = send.new_empty(sum(recv_splits))
-    dist.all_to_all_single(recv, send, recv_splits, send_splits, group=layout.group())
+    dist.all_to_all_single(recv, send, recv_splits, send_splits, group=ranks.group)
     return recv

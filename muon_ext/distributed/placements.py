@@ -15,7 +15,15 @@ import torch
 
 from .._types import is_dtensor
 
-__all__ = ["Layout", "check_param", "layout_of", "local", "chunk_rows", "holds_full"]
+__all__ = ["Layout", "Ranks", "check_param", "layout_of", "local", "chunk_rows", "holds_full"]
+
+
+class Ranks(NamedTuple):
+    """The ranks along one mesh dim, as this rank sees them: their process group, count and this rank's index."""
+
+    group: object
+    size: int
+    rank: int
 
 
 class Layout(NamedTuple):
@@ -26,19 +34,16 @@ class Layout(NamedTuple):
     placements: Tuple
     shard_dim: Optional[int]
 
-    @property
-    def work_dim(self) -> int:
-        """The mesh dim whose ranks share a group's Muon work: the shard dim, else dim 0."""
-        return 0 if self.shard_dim is None else self.shard_dim
+    def ranks(self, dim: int) -> Ranks:
+        return Ranks(self.mesh.get_group(dim), self.mesh.size(dim), self.mesh.get_local_rank(dim))
 
-    def size(self) -> int:
-        return self.mesh.size(self.work_dim)
-
-    def rank(self) -> int:
-        return self.mesh.get_local_rank(self.work_dim)
-
-    def group(self):
-        return self.mesh.get_group(self.work_dim)
+    def work_dims(self) -> Tuple[int, Optional[int]]:
+        """(the mesh dim whose ranks split a group's matrices first: the shard dim, else dim 0;
+        a replicate dim beside the shard dim that splits them further, or None)."""
+        if self.shard_dim is None:
+            return 0, None
+        others = [d for d in range(self.mesh.ndim) if d != self.shard_dim]
+        return self.shard_dim, (others[0] if others else None)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:

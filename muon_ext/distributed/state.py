@@ -94,4 +94,5 @@ def expected_rows(p) -> int:
     layout = layout_of(p)
     if layout.shard_dim is None:
         return p.shape[0]
-    return chunk_rows(p.shape[0], layout.size())[layout.rank()][1]
+    shard = layout.ranks(layout.shard_dim)
+    return chunk_rows(p.shape[0], shard.size)[shard.rank][1]

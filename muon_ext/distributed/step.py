@@ -194,12 +194,13 @@ class DistributedStep:
             for e in entries:  # beta2 switched on after construction
                 states.init(e.info, group)
         sharded = layout.shard_dim is not None
+        first, second = layout.work_dims()
 
         def mat(t):  # the kernels' view; a row shard is [local rows, cols]
             return t.reshape(t.shape[0], cols) if sharded else as_matrices(t, view)
 
         moms = [mat(local(tensors[e.info.param]["momentum_buffer"])) for e in entries]
-        if layout.size() == 1:  # every matrix is whole here: the fused single-device step, same bits
+        if layout.mesh.size(first) == 1:  # every matrix is whole here: the fused single-device step, same bits
             self._muon_fused(group, entries, moms, mat, tensors, inv_scale, found_inf, max_workspace_bytes)
             return
         updates = [m.new_empty(m.shape) for m in moms]
@@ -216,11 +217,18 @@ class DistributedStep:
                                    ns_coefficients=group["ns_coefficients"], max_workspace_bytes=max_workspace_bytes,
                                    polar_dtype=group["polar_dtype"], found_inf=found_inf)
 
-        if sharded:
-            stats_sharded = bool(stats) and stats_follow_rows(entries[0].info.param, view)
-            self.bytes_sent += exchange_sharded(layout, rows, cols, updates, stats, stats_sharded, orthogonalize)
+        if not sharded:
+            self.bytes_sent += exchange_replicated(layout.ranks(first), updates, stats, orthogonalize)
         else:
-            self.bytes_sent += exchange_replicated(layout, updates, stats, orthogonalize)
+            stats_sharded = bool(stats) and stats_follow_rows(entries[0].info.param, view)
+
+            def in_shard_group(ups: List[torch.Tensor], sts: List[torch.Tensor]) -> int:
+                return exchange_sharded(layout.ranks(first), rows, cols, ups, sts, stats_sharded, orthogonalize)
+
+            if second is not None and layout.mesh.size(second) > 1:  # HSDP: the replicas split the matrices too
+                self.bytes_sent += exchange_replicated(layout.ranks(second), updates, stats, in_shard_group)
+            else:
+                self.bytes_sent += in_shard_group(updates, stats)
         for batch in _batches(list(range(len(entries))), lambda i: (entries[i].param.dtype, entries[i].info.master)):
             masters = [mat(local(tensors[entries[i].info.param]["master_param"])) for i in batch
                        if "master_param" in tensors[entries[i].info.param]]
