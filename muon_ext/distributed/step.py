@@ -161,19 +161,34 @@ class DistributedStep:
     # -- run --------------------------------------------------------------
 
     def run(self, work, groups: List[dict], states, scalers, max_workspace_bytes: int) -> None:
-        """Runs planned work: AdamW on local shards, Muon by exchange groups."""
+        """Runs planned work: AdamW on local shards, Muon by exchange groups.
+        With a GradScaler (every rank must use one, or none) its found_inf is
+        summed over each mesh first: one more small all_reduce per mesh."""
         adamw, muon = work
+        agreed: Dict[object, Tuple] = {}
+
+        def scaler_inputs(entries: List[_Entry]) -> Tuple:
+            """GradScaler's (inv_scale, found_inf) with found_inf summed over the mesh: the ranks of a mesh skip
+            or step together (an owner skipping would send stale rows to ranks that step)."""
+            mesh = entries[0].info.param.device_mesh
+            if mesh not in agreed:
+                inv_scale, found_inf = scalers.on(entries[0].param.device)
+                if found_inf is not None:
+                    found_inf = found_inf.clone()
+                    _all_reduce_over(mesh, found_inf)
+                agreed[mesh] = (inv_scale, found_inf)
+            return agreed[mesh]
+
         for gi, entries in adamw:
-            self._adamw(groups[gi], entries, states.tensors, scalers)
+            self._adamw(groups[gi], entries, states.tensors, *scaler_inputs(entries))
         for (gi, rows, cols, _, _), entries in muon:
-            self._muon(groups[gi], rows, cols, entries, states, scalers, max_workspace_bytes)
+            self._muon(groups[gi], rows, cols, entries, states, max_workspace_bytes, *scaler_inputs(entries))
         written = [e.info.param for _, entries in adamw + muon for e in entries]
         if written:
             torch.autograd.graph.increment_version(written)
 
-    def _adamw(self, group: dict, entries: List[_Entry], tensors, scalers) -> None:
+    def _adamw(self, group: dict, entries: List[_Entry], tensors, inv_scale, found_inf) -> None:
         for batch in _batches(entries, lambda e: (e.param.dtype, e.info.master, e.grad.dtype)):
-            inv_scale, found_inf = scalers.on(batch[0].param.device)
             state = [tensors[e.info.param] for e in batch]
             beta1, beta2 = group["betas"]
             ops.adamw_step(
@@ -184,11 +199,10 @@ class DistributedStep:
                 adam_w_mode=group["adam_w_mode"], bias_correction=group["bias_correction"], inv_scale=inv_scale,
                 found_inf=found_inf)
 
-    def _muon(self, group: dict, rows: int, cols: int, entries: List[_Entry], states, scalers,
-              max_workspace_bytes: int) -> None:
+    def _muon(self, group: dict, rows: int, cols: int, entries: List[_Entry], states, max_workspace_bytes: int,
+              inv_scale, found_inf) -> None:
         view = group["matrix_view"]
         layout: Layout = layout_of(entries[0].info.param)
-        inv_scale, found_inf = scalers.on(entries[0].param.device)
         tensors = states.tensors
         if group["beta2"] is not None:
             for e in entries:  # beta2 switched on after construction

@@ -146,7 +146,8 @@ def _raises_everywhere(opt, rank, expected_here, match_here, match_elsewhere, ba
 def none_grads_and_refusals(rank, world, mesh_shape, *_):
     """A grad None on every rank skips the param; None on some ranks only,
     or a check failing on one rank (a DTensor grad's placements, the plain
-    planner's lr check), raises on every rank before any rank writes, without hanging."""
+    planner's lr check), raises on every rank before any rank writes, without hanging.
+    A found_inf on one rank skips the DTensor params on every rank."""
     mesh, shard, rep = meshes(mesh_shape)
     gen = torch.Generator().manual_seed(3)
     w = torch.nn.Parameter(dtensor(torch.randn(6, 4, generator=gen), mesh, shard))
@@ -187,6 +188,16 @@ def none_grads_and_refusals(rank, world, mesh_shape, *_):
     opt.param_groups[1]["lr"] = 1e-3
     grads()
     opt.step()  # the optimizer still steps after the refusals
+
+    # GradScaler's found_inf set on one rank only: every rank skips its DTensor
+    # params (an owner skipping alone would hand stale rows to the others).
+    grads()
+    before = [bits(t.to_local()).clone() for t in (w, b, r)]
+    opt.grad_scale = torch.tensor(2.0)
+    opt.found_inf = torch.tensor(1.0 if rank == 0 else 0.0)
+    opt.step()
+    del opt.grad_scale, opt.found_inf
+    assert all(torch.equal(bits(t.to_local()), old) for t, old in zip((w, b, r), before)), "found_inf not agreed"
 
 
 # ---------------------------------------------------------------------------
