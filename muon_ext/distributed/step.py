@@ -48,6 +48,8 @@ class DistributedStep:
 
     def __init__(self):
         self.bytes_sent = 0
+        self._dinfos: List[ParamInfo] = []
+        self._seen = 0  # how many infos _dinfos was taken from (the table only grows: add_param_group)
 
     # -- checks -----------------------------------------------------------
 
@@ -118,7 +120,9 @@ class DistributedStep:
         """The DTensor params' work, or None where this rank's plain planning
         `failed` (its error is then raised by the caller). Collective when
         there are DTensor params: every rank must call it at every step."""
-        dinfos = dtensor_infos(infos.values())
+        if self._seen != len(infos):  # a param's type never changes: look again only at new groups
+            self._dinfos, self._seen = dtensor_infos(infos.values()), len(infos)
+        dinfos = self._dinfos
         if not dinfos:
             return []
         error, grads = None, {}
