@@ -76,9 +76,9 @@ def exchange_sharded(ranks: Ranks, rows: int, cols: int, updates: List[torch.Ten
     back = _cat([piece for s in range(world) for k in range(len(mine))
                  for piece in _owner_pieces(whole[k], whole_stats[k] if normuon else None, chunks[s],
                                             stats_sharded)], updates)
-    back_stat = (chunks[me][1] if stats_sharded else cols) if normuon else 0
-    stat_of = lambda s: (chunks[s][1] if stats_sharded else cols) if normuon else 0  # noqa: E731
+    stat_of = lambda s: (chunks[s][1] if stats_sharded else cols) if normuon else 0  # noqa: E731 - rank s's
     back_splits = [len(mine) * (chunks[s][1] * cols + stat_of(s)) for s in range(world)]
+    back_stat = stat_of(me)
     ret_splits = [len(range(d, n, world)) * (chunks[me][1] * cols + back_stat) for d in range(world)]
     ret = _all_to_all(ranks, back, back_splits, ret_splits)
     offset = 0

@@ -209,8 +209,9 @@ class DistributedStep:
         layout: Layout = layout_of(entries[0].info.param)
         tensors = states.tensors
         if group["beta2"] is not None:
-            for e in entries:  # beta2 switched on after construction
-                states.init(e.info, group)
+            for e in entries:
+                if "second_momentum_buffer" not in tensors[e.info.param]:  # beta2 switched on after construction
+                    states.init(e.info, group)
         sharded = layout.shard_dim is not None
         first, second = layout.work_dims()
 
@@ -253,7 +254,6 @@ class DistributedStep:
             ops.muon_apply([mat(entries[i].param) for i in batch], [updates[i] for i in batch], masters=masters,
                            lr=group["lr"], weight_decay=group["weight_decay"], lr_scale=group["lr_scale"],
                            matrix_shape=(rows, cols), found_inf=found_inf)
-
 
     @staticmethod
     def _muon_fused(group: dict, entries: List[_Entry], moms, mat, tensors, inv_scale, found_inf,

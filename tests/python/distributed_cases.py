@@ -72,7 +72,9 @@ def sharded_matches_single_process(rank, world, mesh_shape, *_):
         ref = MuonAdamW(_groups(ref_params))
         opt = MuonAdamW(_groups(params))
         gen = torch.Generator().manual_seed(1)
-        for _ in range(STEPS):
+        for step in range(STEPS):
+            if step == 1:  # NorMuon switched on after construction: its state is created at first use
+                ref.param_groups[1]["beta2"] = opt.param_groups[1]["beta2"] = 0.9
             for group_ref, group, pl in zip(ref_params, params, placements):
                 for rp, p in zip(group_ref, group):
                     g = torch.randn(rp.shape, generator=gen).to(dtype)
