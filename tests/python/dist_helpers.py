@@ -14,9 +14,11 @@ import torch.multiprocessing as mp
 COLLECTIVE_TIMEOUT_S = 60
 
 
-def _worker(rank: int, world: int, store: str, fn, args) -> None:
+def _worker(rank: int, world: int, store: str, backend: str, fn, args) -> None:
     torch.set_num_threads(1)  # 2-core CI: W processes share the cores
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     try:
         fn(rank, world, *args)
@@ -24,13 +26,15 @@ def _worker(rank: int, world: int, store: str, fn, args) -> None:
         dist.destroy_process_group()
 
 
-def spawn(tmp_path, world: int, fn, *args, timeout_s: float = 300.0) -> None:
-    """Runs fn(rank, world, *args) on `world` spawned processes in one gloo
-    group; fails if any raises or the job outlives `timeout_s`."""
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is unavailable")
+def spawn(tmp_path, world: int, fn, *args, timeout_s: float = 300.0, backend: str = "gloo") -> None:
+    """Runs fn(rank, world, *args) on `world` spawned processes in one process
+    group (gloo on CPUs; nccl: one GPU per rank); fails if any raises or the
+    job outlives `timeout_s`."""
+    available = dist.is_nccl_available() if backend == "nccl" else dist.is_gloo_available()
+    if not dist.is_available() or not available:
+        pytest.skip(f"torch.distributed with {backend} is unavailable")
     store = tmp_path / f"store_{world}_{time.monotonic_ns()}"
-    ctx = mp.start_processes(_worker, args=(world, str(store), fn, args), nprocs=world, join=False,
+    ctx = mp.start_processes(_worker, args=(world, str(store), backend, fn, args), nprocs=world, join=False,
                              start_method="spawn")
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=1.0):

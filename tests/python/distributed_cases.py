@@ -23,7 +23,7 @@ STEPS = 3
 def dtensor(full, mesh, placements):
     """`full` as a DTensor with `placements` (Replicate / Shard(0)), cut locally: no communication, so one rank
     alone may call it (distribute_tensor is a collective)."""
-    local = full
+    local = full.to(mesh.device_type)
     for dim, pl in enumerate(placements):
         if pl.is_shard():
             start, count = chunk_rows(full.shape[0], mesh.size(dim))[mesh.get_local_rank(dim)]
@@ -437,3 +437,37 @@ def fsdp2_matches_unsharded(rank, world, mesh_shape, *_, steps=3):
             assert torch.equal(bits(p.full_tensor()), bits(rp)), f"{name} {dtype}"
             assert torch.equal(bits(opt.gather_full_parameter_master(p)),
                                bits(ref_opt.get_full_parameter_master(rp))), f"{name} master {dtype}"
+
+
+# ---------------------------------------------------------------------------
+# NCCL on GPUs (test_distributed_cuda.py)
+# ---------------------------------------------------------------------------
+
+
+def cuda_sharded_matches_single_process(rank, world, mesh_shape, *_):
+    """FSDP-style Shard(0) params on CUDA (NCCL): AdamW equals the single-GPU
+    optimizer bit for bit; Muon to BF16 noise (on CUDA the owner's batch of
+    matrices may make cuBLAS choose another kernel than the single-GPU batch)."""
+    mesh = init_device_mesh("cuda", mesh_shape)
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(96, 64), (64, 96), (33, 70), (33, 70), (33, 70), (5,), (9,)]
+    values = [(0.1 * torch.randn(s, generator=gen)).cuda() for s in shapes]
+    ref_params = [torch.nn.Parameter(v.clone()) for v in values]
+    params = [torch.nn.Parameter(dtensor(v.clone(), mesh, [Shard(0)])) for v in values]
+    groups = lambda ps: [{"params": ps[:5], "kind": "muon", "lr": 0.02},  # noqa: E731
+                         {"params": ps[5:], "kind": "adamw", "lr": 0.01}]
+    ref, opt = MuonAdamW(groups(ref_params)), MuonAdamW(groups(params))
+    for _ in range(2):
+        for rp, p in zip(ref_params, params):
+            g = torch.randn(rp.shape, generator=gen).cuda()
+            rp.grad, p.grad = g.clone(), dtensor(g, mesh, [Shard(0)])
+        ref.step()
+        opt.step()
+    for value, rp, p in zip(values, ref_params, params):
+        mine = p.full_tensor()
+        if rp.dim() == 1:
+            assert torch.equal(bits(mine), bits(rp)), f"AdamW {tuple(rp.shape)}"
+        else:
+            ref_update, update = rp.detach() - value, mine - value
+            err = (update - ref_update).norm() / ref_update.norm()
+            assert err < 0.05, f"Muon {tuple(rp.shape)}: relative update error {float(err):.3g}"
