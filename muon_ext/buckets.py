@@ -16,7 +16,7 @@ import torch
 
 from . import _C
 from ._shapes import matrix_shape
-from ._types import Bucket, GradAttr, ParamInfo, WorkItem
+from ._types import Bucket, GradAttr, ParamInfo, WorkItem, is_dtensor
 from .amp import capturing, check_step_lr
 from .schema import check_hyper
 from .state import master_mode
@@ -170,6 +170,8 @@ class StepPlanner:
             empty = []
             for info in infos.values():
                 p, group = info.param, groups[info.group]
+                if is_dtensor(p):
+                    continue  # stepped by distributed/step.py, on local tensors
                 self._check_master_mode(info)
                 if p.numel() == 0:
                     empty.append(info)  # nothing to update; the kernels refuse zero-sized matrices

@@ -17,7 +17,7 @@ from typing import Dict, List
 import torch
 
 from ._shapes import second_moment_shape
-from ._types import ParamInfo
+from ._types import ParamInfo, is_dtensor
 from .schema import check_hyper, check_lr_value
 from .state import OptimizerState
 from .writers import storage_held
@@ -130,6 +130,10 @@ def _check_entry(info: ParamInfo, entry: Dict, group: Dict) -> None:
             continue  # unknown extra state (any type) is kept as is
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"{where}: expected a tensor, got {type(value).__name__}")
+        if is_dtensor(value) != is_dtensor(p) or (is_dtensor(p) and value.device_mesh != p.device_mesh):
+            want = f"a DTensor on the param's mesh {p.device_mesh}" if is_dtensor(p) else "a plain tensor"
+            raise TypeError(f"{where}: expected {want}, like the param, got {type(value).__name__} (DTensor params "
+                            "load through torch.distributed.checkpoint's set_optimizer_state_dict)")
         if value.layout != torch.strided or value.is_meta or value.is_nested:
             kind = "a nested tensor" if value.is_nested else f"layout {value.layout} on {value.device}"
             raise TypeError(f"{where}: expected a dense tensor with data, got {kind}")

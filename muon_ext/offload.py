@@ -30,7 +30,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from ._shapes import matrix_shape, second_moment_shape
-from ._types import ParamInfo, WorkItem
+from ._types import ParamInfo, WorkItem, is_dtensor
 from .schema import label
 
 __all__ = ["OffloadConfig", "check_offload", "StagedState"]
@@ -273,6 +273,8 @@ class StagedState:
         device = self.device
         for i, p in enumerate(group["params"]):
             where = label(index, group["kind"], i, names[i])
+            if is_dtensor(p):
+                raise ValueError(f"{where} is a DTensor: offload='cpu' does not support distributed params yet")
             device = p.device if device is None else device
             if p.device != device or device.type not in ("cpu", "cuda"):
                 raise ValueError(f"{where} is on {p.device}; with offload='cpu' every param must be on one CPU or "

@@ -1,14 +1,17 @@
 """MuonAdamW: Muon for hidden matrices, AdamW for everything else, with exact
 FP32 master weights (FP32 params, FP32 master tensors or BF16 + int16 remainders).
 
-A step runs plan -> [acquire] -> [gather] -> kernels -> [scatter] -> write ->
-[release] per work item (one kernel call on one bucket of params, see
-docs/design.md, "Data flow of one step"). The bracketed stages do nothing yet:
-they are where CPU-staged state and distributed Muon will attach.
+A step runs plan -> [acquire] -> kernels -> write -> [release] per work item
+(one kernel call on one bucket of params, see docs/design.md, "Data flow of one
+step"); [acquire] and [release] stage offloaded state (offload.py). DTensor
+params are stepped after the plain work items by distributed/step.py: gather
+(all_to_all to each matrix's owner) -> kernels -> scatter, one exchange per
+group of same-layout matrices.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Callable, Dict, Iterable, List, Optional
 
 import torch
@@ -16,10 +19,12 @@ import torch
 from . import adapters as adapter_loader
 from . import checkpoint, ops, schema, writers
 from ._shapes import as_matrices
-from ._types import ParamInfo, WorkItem
+from ._types import ParamInfo, WorkItem, is_dtensor
 from .amp import GradScalerInputs, capturing, device_lr
 from .buckets import StepPlanner
 from .offload import StagedState, check_offload
+from .distributed.placements import holds_full, local
+from .distributed.step import DistributedStep, dtensor_infos
 from .state import OptimizerState, check_master_values
 
 __all__ = ["MuonAdamW"]
@@ -76,6 +81,7 @@ class MuonAdamW(torch.optim.Optimizer):
         self.capturable = bool(capturable)
         self.max_workspace_bytes = int(max_workspace_bytes)
         self._planner = StepPlanner(master_weights, self.store_param_remainders)
+        self._distributed = DistributedStep()
         self._states: Optional[OptimizerState] = None  # made by the first add_param_group, on torch's self.state
         self._offload: Optional[StagedState] = None if config is None else StagedState(config, None)
         self._planner.state_rules = config is None  # offloaded state is on the CPU: checked by StagedState
@@ -110,6 +116,7 @@ class MuonAdamW(torch.optim.Optimizer):
         super().__setstate__(state)
         self._planner = StepPlanner(self.master_weights, self.store_param_remainders)
         self._offload = None  # __getstate__ refuses offloaded optimizers
+        self._distributed = DistributedStep()
         self._states = OptimizerState(self.state, self.master_weights, self.store_param_remainders)
         for index, group in enumerate(self.param_groups):
             self._states.register(index, group, group.get("param_names"))
@@ -163,10 +170,15 @@ class MuonAdamW(torch.optim.Optimizer):
                 loss = closure()
         try:
             schema.check_options(self.master_weights, self.grad_attr, self.max_workspace_bytes)
-            work = self._planner.plan(self.param_groups, self._states.infos, self._states.tensors, self.grad_attr,
-                                      hasattr(self, "found_inf"))
-            if self._offload is not None:
-                self._offload.check_step()
+            try:
+                work = self._planner.plan(self.param_groups, self._states.infos, self._states.tensors,
+                                          self.grad_attr, hasattr(self, "found_inf"))
+                if self._offload is not None:
+                    self._offload.check_step()
+            finally:  # DTensor params: every rank joins the agreement, also one whose planning just failed
+                failed = sys.exc_info()[0] is not None
+                dwork = self._distributed.plan(self._planner, self.param_groups, self._states.infos,
+                                               self._states.tensors, self.grad_attr, failed=failed)
         except Exception:
             # GradScaler deletes these only after a step returns: drop them so
             # that a later step does not unscale with this step's scale.
@@ -179,18 +191,18 @@ class MuonAdamW(torch.optim.Optimizer):
             self._run(work, scalers)
         else:
             self._offload.run_step(work, self.param_groups, lambda staged: self._run(staged, scalers))
+        if dwork:
+            self._distributed.run(dwork, self.param_groups, self._states, scalers, self.max_workspace_bytes)
         return loss
 
     def _run(self, work, scalers: GradScalerInputs) -> None:
         for item, state in work:
             kernel_item, state = self._acquire(item, state)
-            self._gather(item)
             inv_scale, found_inf = scalers.on(kernel_item.params[0].device)
             if item.bucket.kind == "adamw":
                 self._adamw(kernel_item, state, inv_scale, found_inf)
             else:
                 self._muon(kernel_item, state, inv_scale, found_inf)
-            self._scatter(item)
             self._write(item, state.get("master_param"), found_inf)
             self._release(item)
 
@@ -200,12 +212,6 @@ class MuonAdamW(torch.optim.Optimizer):
         if self._offload is None:
             return item, state
         return self._offload.acquire(item)
-
-    def _gather(self, item: WorkItem) -> None:
-        """Distributed: exchange sharded Muon matrices so that each is whole on the rank that owns it."""
-
-    def _scatter(self, item: WorkItem) -> None:
-        """Distributed: send updated matrices back to the ranks that hold their shards."""
 
     def _write(self, item: WorkItem, masters: Optional[List[torch.Tensor]] = None, found_inf=None) -> None:
         """After the kernels: params with writers are stored from `masters`
@@ -286,7 +292,7 @@ class MuonAdamW(torch.optim.Optimizer):
         if capturing():
             raise RuntimeError("update_param: not allowed during CUDA graph capture")
         self._check_params([info], all_state=False, reading=False)
-        if not allow_nonfinite and not bool(torch.isfinite(values).all()):
+        if not allow_nonfinite and not bool(torch.isfinite(local(values)).all()):  # DTensor: this rank's part
             raise ValueError(f"update_param: the values for {info.name} hold NaN or inf; a non-finite master "
                              "poisons every later step (pass allow_nonfinite=True to write them anyway)")
         self._states.init(info, self.param_groups[info.group])
@@ -303,7 +309,18 @@ class MuonAdamW(torch.optim.Optimizer):
         """
         info = self._states.info(param)
         self._check_params([info], all_state=False, reading=True)
+        if is_dtensor(param):
+            return local(self._states.read_master(info)) if holds_full(param) else None
         return self._states.read_master(info)
+
+    def gather_full_parameter_master(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """A collective over a DTensor param's mesh: every rank of it gets the
+        full FP32 master as a new plain tensor (every rank must call it, in the
+        same order). For a plain param, `get_full_parameter_master`."""
+        info = self._states.info(param)
+        self._check_params([info], all_state=False, reading=True)
+        master = self._states.read_master(info)
+        return master.full_tensor() if is_dtensor(master) else master
 
     def _check_params(self, infos: Iterable[ParamInfo], *, all_state: bool, reading: bool) -> None:
         """Outside a step, before params and masters are read or written: the step's checks (storage held, master
@@ -313,8 +330,11 @@ class MuonAdamW(torch.optim.Optimizer):
         if self._offload is not None:
             self._offload.drain()
             self._offload.check_entries(infos, required=False)  # a load may restore missing entries
-        self._planner.check_params(infos, self.param_groups, self._states.tensors, all_state=all_state,
-                                   reading=reading)
+        sharded = dtensor_infos(infos)
+        self._planner.check_params([i for i in infos if not is_dtensor(i.param)], self.param_groups,
+                                   self._states.tensors, all_state=all_state, reading=reading)
+        self._distributed.check(self._planner, sharded, self.param_groups, self._states.tensors,
+                                all_state=all_state, reading=reading)
 
     # ------------------------------------------------------------------
     # Param writers

@@ -18,6 +18,7 @@ from . import _C, ops
 from ._shapes import matrix_shape
 from ._types import Kind, is_dtensor
 from .writers import is_quantized
+from .distributed.placements import check_param as check_dtensor_param
 
 __all__ = [
     "MUON_DEFAULTS", "ADAMW_DEFAULTS", "DEFAULTS", "SUPPORTED_DTYPES", "Range", "RANGES", "MODES",
@@ -229,7 +230,7 @@ def check_group(index: int, group: dict, names: List[Optional[str]], owned: Cont
         if id(p) in owned or id(p) in seen:
             raise ValueError(f"{where} appears in more than one param group (or twice in one)")
         seen.add(id(p))
-        _check_param_type(p, where)
+        _check_param_type(p, where, kind, group.get("matrix_view", ""))
         if not p.is_leaf:
             raise ValueError(f"{where}: can't optimize a non-leaf tensor")
         if not p.is_contiguous():
@@ -238,10 +239,9 @@ def check_group(index: int, group: dict, names: List[Optional[str]], owned: Cont
             matrix_shape(p, group["matrix_view"], where)
 
 
-def _check_param_type(p: torch.Tensor, where: str) -> None:
+def _check_param_type(p: torch.Tensor, where: str, kind: str, matrix_view: str) -> None:
     if is_dtensor(p):
-        raise TypeError(f"{where} is a DTensor: sharded params are not supported yet (Muon on a local shard "
-                        "would be silently wrong)")
+        check_dtensor_param(p, where, kind, matrix_view)
     if not p.dtype.is_floating_point:
         raise TypeError(f"{where} has non-floating dtype {p.dtype}")
     if p.dtype not in SUPPORTED_DTYPES:
@@ -251,6 +251,6 @@ def _check_param_type(p: torch.Tensor, where: str) -> None:
                       "quantize_(src), or a BF16 param with a param writer)")
         raise TypeError(f"{where} has dtype {p.dtype}: {reason}; supported: float32, bfloat16, float16")
     base = p.data if isinstance(p, torch.nn.Parameter) else p
-    if type(base) is not torch.Tensor and not is_quantized(base):
+    if type(base) is not torch.Tensor and not is_quantized(base) and not is_dtensor(base):
         raise TypeError(f"{where} is a {type(base).__name__}: tensor subclasses are supported only as quantized "
                         "params (with dequantize() and quantize_(src) methods)")

@@ -10,6 +10,9 @@ import torch
 from . import ops
 from ._shapes import second_moment_shape
 from ._types import MasterMode, ParamInfo, is_dtensor
+from .distributed.placements import local
+from .distributed.state import check_values as check_dtensor_values, stats_follow_rows, wrap as dtensor_like
+from .distributed.state import zeros as dtensor_zeros
 from .schema import label
 from .writers import WriterEntry, is_quantized, quantized_writer, run_writer, storage_held
 
@@ -31,8 +34,9 @@ def check_master_values(info: ParamInfo, values) -> None:
     tensor of the param's shape (any layout or device) whose storage holds it."""
     if not isinstance(values, torch.Tensor):
         raise TypeError(f"update_param: values must be a tensor, got {type(values).__name__}")
-    if is_dtensor(values):
-        raise TypeError("update_param: DTensor values are not supported (this optimizer has no DTensor params)")
+    if is_dtensor(values) or is_dtensor(info.param):
+        check_dtensor_values(info, values)
+        return
     if values.layout != torch.strided or values.is_meta:
         raise TypeError(f"update_param: values must be a dense tensor with data, got layout {values.layout} "
                         f"on {values.device}")
@@ -105,17 +109,22 @@ class OptimizerState:
     def init(self, info: ParamInfo, group: dict) -> None:
         """Creates the param's missing state entries under `group`'s settings."""
         p, state = info.param, self.tensors[info.param]
-        zeros = lambda shape: torch.zeros(shape, dtype=torch.float32, device=p.device)  # noqa: E731
+        def zeros(shape, dtype=torch.float32, like_param=True):
+            if is_dtensor(p):  # on the param's mesh, split like it or replicated (distributed/state.py)
+                return dtensor_zeros(p, shape, dtype, like_param)
+            return torch.zeros(shape, dtype=dtype, device=p.device)
+
         if info.kind == "adamw":
-            state.setdefault("step", zeros(()))
+            state.setdefault("step", zeros((), like_param=False))
             state.setdefault("exp_avg", zeros(p.shape))
             state.setdefault("exp_avg_sq", zeros(p.shape))
         else:
             state.setdefault("momentum_buffer", zeros(p.shape))
             if group["beta2"] is not None:
-                state.setdefault("second_momentum_buffer", zeros(second_moment_shape(p, group["matrix_view"])))
+                state.setdefault("second_momentum_buffer", zeros(second_moment_shape(p, group["matrix_view"]),
+                                                                 like_param=stats_follow_rows(p, group["matrix_view"])))
         if info.master == "remainder":
-            state.setdefault("master_param", torch.zeros(p.shape, dtype=torch.int16, device=p.device))
+            state.setdefault("master_param", zeros(p.shape, torch.int16))
         elif info.master == "fp32" and "master_param" not in state:
             values = p.dequantize() if is_quantized(p) else p.detach()
             state["master_param"] = values.float().clone()
@@ -130,16 +139,16 @@ class OptimizerState:
     def write_master(self, info: ParamInfo, master: torch.Tensor) -> None:
         """Writes an FP32 master (contiguous, on the param's device) into the
         param and its state; a param with a writer is written by its writer."""
-        p = info.param
+        p, master = info.param, local(master)  # DTensor params: each rank writes its local part
         if info.writer is not None:
             self.tensors[p]["master_param"].copy_(master)
             run_writer(info, self.tensors[p]["master_param"], None)
         elif info.master == "remainder":
-            ops.split_master(master, p.data, self.tensors[p]["master_param"])
+            ops.split_master(master, local(p.data), local(self.tensors[p]["master_param"]))
         else:
             if info.master == "fp32":
-                self.tensors[p]["master_param"].copy_(master)
-            p.data.copy_(master)  # copy_ rounds to nearest even for 16-bit params
+                local(self.tensors[p]["master_param"]).copy_(master)
+            local(p.data).copy_(master)  # copy_ rounds to nearest even for 16-bit params
         torch.autograd.graph.increment_version(p)
         self._pending.pop(id(p), None)
 
@@ -148,7 +157,8 @@ class OptimizerState:
         self.resolve_pending()
         p = info.param
         if info.master == "remainder":
-            return ops.merge_master(p.detach(), self.tensors[p]["master_param"])
+            merged = ops.merge_master(local(p), local(self.tensors[p]["master_param"]))
+            return dtensor_like(merged, p) if is_dtensor(p) else merged
         if info.master == "fp32":
             return self.tensors[p]["master_param"].detach().clone()
         return p.detach().float().clone()
@@ -162,11 +172,11 @@ class OptimizerState:
         if info.writer is not None:
             return  # the param holds no rounding of the master for model weights to overwrite
         if info.master == "remainder":
-            kept = p.detach().clone()  # with the remainder, the master; model weights may overwrite the param
+            kept = local(p).clone()  # with the remainder, the master; model weights may overwrite the param
         elif info.master == "fp32":
             kept = None  # the master tensor holds it
         else:
-            kept = master.clone()  # the param is the master: model weights overwrite it
+            kept = local(master).clone()  # the param is the master: model weights overwrite it
         self._pending[id(p)] = ("loaded", kept)
 
     def load_remainder(self, info: ParamInfo, remainder: torch.Tensor) -> None:
@@ -181,7 +191,7 @@ class OptimizerState:
             self.tensors[p]["master_param"].copy_(remainder)
             self._pending.pop(id(p), None)
         else:
-            self._pending[id(p)] = ("remainder", remainder.clone())
+            self._pending[id(p)] = ("remainder", local(remainder).clone())
 
     # -- writers ----------------------------------------------------------
 
@@ -221,15 +231,15 @@ class OptimizerState:
             raise RuntimeError("masters loaded by load_state_dict are settled at their next use, which cannot be "
                                "captured in a CUDA graph: step once (or call get_full_parameter_master) before "
                                "capturing")
-        for key in [k for k in self._pending if storage_held(self.infos[k].param)]:
+        for key in [k for k in self._pending if storage_held(local(self.infos[k].param))]:
             kind, kept = self._pending[key]
             info = self.infos[key]
             p = info.param
             if kind == "param":
-                self.tensors[p]["master_param"].copy_(p.detach())
+                local(self.tensors[p]["master_param"]).copy_(local(p))
                 del self._pending[key]
             elif kind == "remainder":
-                self.write_master(info, ops.merge_master(p.detach(), kept))
+                self.write_master(info, ops.merge_master(local(p), kept))
             else:
                 self._settle_loaded(info, kept)
 
@@ -238,11 +248,11 @@ class OptimizerState:
         or a rounding of the master; elsewhere the param's value becomes the
         master. The param is then rewritten from the master as the load did, so
         both load orders leave the same bits."""
-        p = info.param.detach()
+        p = local(info.param)  # DTensor params: each rank settles its local part
         if info.master == "remainder":
-            master, written = ops.merge_master(kept, self.tensors[info.param]["master_param"]), kept
+            master, written = ops.merge_master(kept, local(self.tensors[info.param]["master_param"])), kept
         else:
-            master = self.tensors[info.param]["master_param"] if info.master == "fp32" else kept
+            master = local(self.tensors[info.param]["master_param"]) if info.master == "fp32" else kept
             master = master.to(p.device)  # offloaded masters are on the CPU
             written = master.to(p.dtype)
         same = _same_bits(p, written)

@@ -198,27 +198,31 @@ def gloo_world(tmp_path):
         dist.destroy_process_group()
 
 
-def test_dtensor_params_are_refused(gloo_world):
-    """DTensor params raise at construction and in add_param_group, naming group and param."""
-    from torch.distributed.tensor import Shard, distribute_tensor
+def test_unsupported_dtensor_placements_are_refused(gloo_world):
+    """DTensor params with placements other than Replicate() / Shard(0) raise at
+    construction and in add_param_group, naming group, param and placements;
+    DTensor values for a plain param are refused (tests/python/test_distributed*.py
+    cover the supported layouts)."""
+    from torch.distributed.tensor import Partial, Shard, distribute_tensor
 
-    d = torch.nn.Parameter(distribute_tensor(torch.randn(8, 4), gloo_world, [Shard(0)]))
+    d = torch.nn.Parameter(distribute_tensor(torch.randn(8, 4), gloo_world, [Shard(1)]))
     before = bits(d.to_local()).clone()
     with pytest.raises(TypeError) as exc:
         MuonAdamW([{"params": [_GOOD], "kind": "muon"}, {"params": [d], "kind": "muon", "param_names": ["wd"]}])
-    _check_message(exc, ["param group 1 (muon), param 0 'wd'", "DTensor"])
+    _check_message(exc, ["param group 1 (muon), param 0 'wd'", "DTensor", "Shard(dim=1)"])
     opt = MuonAdamW([{"params": [_GOOD], "kind": "muon"}])
     snap = optimizer_snapshot(opt)
+    partial = torch.distributed.tensor.DTensor.from_local(torch.randn(8, 4), gloo_world, [Partial()])
     with pytest.raises(TypeError) as exc:
-        opt.add_param_group({"params": [d], "kind": "adamw"})
-    _check_message(exc, ["param group 1 (adamw), param 0", "DTensor"])
+        opt.add_param_group({"params": [torch.nn.Parameter(partial)], "kind": "adamw"})
+    _check_message(exc, ["param group 1 (adamw), param 0", "DTensor", "Partial"])
     assert len(opt.param_groups) == 1
     assert_optimizer_unchanged(opt, snap)
     assert torch.equal(bits(d.to_local()), before)
     w = torch.nn.Parameter(torch.randn(8, 4))
     opt = MuonAdamW([{"params": [w], "kind": "muon"}])
     snap = optimizer_snapshot(opt)
-    with pytest.raises(TypeError, match="DTensor values are not supported"):
+    with pytest.raises(TypeError, match="is a plain tensor, so its values must be a plain tensor too"):
         opt.update_param(w, distribute_tensor(torch.zeros(8, 4), gloo_world, [Shard(0)]))
     assert_optimizer_unchanged(opt, snap)
 

@@ -2,7 +2,6 @@
 bit for bit against muon_ext.reference, the e4m3fn rounding and scaling rule
 at its edges, the out= / found_inf paths, and every refused argument."""
 
-import math
 
 import pytest
 import torch

@@ -1,0 +1,97 @@
+"""Optimizer state of DTensor params: DTensors on the param's mesh.
+
+State shaped like the param takes the param's placements, so a shard's
+moments sit beside its rows. The step counter (shape ()) is replicated.
+NorMuon's second moment of a matrix with rows >= cols is (rows, 1): one
+statistic per row, sharded like the param (dim 0 splits by the same chunk
+rule, so each rank holds its rows' statistics). With rows < cols it is
+(1, cols) and replicated: every rank holds the whole vector and the owner of
+the matrix sends its update to all of them (exchange.py). Both reshard
+correctly under torch.distributed.checkpoint.
+"""
+
+from __future__ import annotations
+
+
+import torch
+
+from .._types import ParamInfo, is_dtensor
+from .. import ops
+from .._shapes import matrix_shape
+from .placements import chunk_rows, layout_of, local
+
+__all__ = ["zeros", "wrap", "check_values", "stats_follow_rows", "expected_rows"]
+
+
+def stats_follow_rows(p, matrix_view: str) -> bool:
+    """Whether the NorMuon statistics of Muon param `p` are one per row ((rows, 1), placed like the param)
+    rather than one per column ((1, cols), replicated)."""
+    rows, cols = matrix_shape(p, matrix_view, "")
+    return rows >= cols
+
+
+def zeros(p, shape, dtype: torch.dtype, like_param: bool = True):
+    """A zero DTensor of global `shape` on `p`'s mesh, placed like `p` (dim 0
+    split as `p`'s rows) where `like_param`, replicated otherwise."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    shape = tuple(shape)
+    layout = layout_of(p)
+    if like_param and len(shape) > 0:
+        placements = layout.placements
+        local_shape = tuple(local(p).shape[:1]) + shape[1:]
+    else:
+        placements = (Replicate(),) * layout.mesh.ndim
+        local_shape = shape
+    t = torch.zeros(local_shape, dtype=dtype, device=local(p).device)
+    return DTensor.from_local(t, layout.mesh, placements, run_check=False, shape=torch.Size(shape),
+                              stride=torch.empty(shape, device="meta").stride())
+
+
+def wrap(t: torch.Tensor, like) -> torch.Tensor:
+    """The local tensor `t` (`like`'s local shape) as a DTensor placed like `like`."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(t, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                              stride=like.stride())
+
+
+def check_values(info: ParamInfo, values) -> None:
+    """update_param's rule for DTensors: values are a DTensor exactly when the
+    param is one, with its mesh, placements, global shape and (on this rank)
+    local shape; FP32, dense, its storage holding the local part."""
+    p = info.param
+    if is_dtensor(values) != is_dtensor(p):
+        what = "a DTensor" if is_dtensor(p) else "a plain tensor"
+        raise TypeError(f"update_param: {info.name} is {what}, so its values must be {what} too, got "
+                        f"{type(values).__name__}")
+    if values.dtype != torch.float32:
+        raise TypeError(f"update_param: values must be float32, got {values.dtype}")
+    if values.device_mesh != p.device_mesh:
+        raise ValueError(f"update_param: values for {info.name} are on mesh {values.device_mesh}, the param on "
+                         f"{p.device_mesh}")
+    if tuple(values.placements) != tuple(p.placements):
+        raise ValueError(f"update_param: values for {info.name} have placements {tuple(values.placements)}, the "
+                         f"param {tuple(p.placements)}")
+    if tuple(values.shape) != tuple(p.shape):
+        raise ValueError(f"update_param: values have shape {tuple(values.shape)} but {info.name} has shape "
+                         f"{tuple(p.shape)}")
+    lv, lp = values.to_local(), local(p)
+    if lv.layout != torch.strided or lv.is_meta:
+        raise TypeError(f"update_param: values for {info.name} must be dense with data, got layout {lv.layout} on "
+                        f"{lv.device}")
+    if tuple(lv.shape) != tuple(lp.shape):
+        raise ValueError(f"update_param: values for {info.name} have local shape {tuple(lv.shape)} on this rank, "
+                         f"the param {tuple(lp.shape)}")
+    problem = ops.storage_problem(lv)
+    if problem:
+        raise ValueError(f"update_param: values for {info.name}: {problem}")
+
+
+def expected_rows(p) -> int:
+    """Rows of dim 0 this rank should hold under DTensor's chunk rule."""
+    layout = layout_of(p)
+    if layout.shard_dim is None:
+        return p.shape[0]
+    shard = layout.ranks(layout.shard_dim)
+    return chunk_rows(p.shape[0], shard.size)[shard.rank][1]

@@ -1,0 +1,309 @@
+"""One optimizer step over the DTensor params: checks on the local tensors,
+one agreement collective per mesh, then AdamW on the shards and Muon through
+the owner exchange (exchange.py).
+
+Every rank takes part in the agreement, also one whose own checks (or the
+plain params' planning) failed, so that a refusal is raised on every rank
+before any rank writes: a rank-local error there, "refused on another rank"
+elsewhere. The same collective carries each param's grad presence: a grad
+None on every rank skips the param (state untouched), None on some ranks
+only is an error on every rank. Collectives run in the same order on every
+rank: meshes, then exchange groups, in the order of the param groups and
+their params.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, List, Mapping, NamedTuple, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .. import ops
+from .._shapes import as_matrices, matrix_shape, second_moment_shape
+from .._types import ParamInfo, is_dtensor
+from ..schema import SUPPORTED_DTYPES
+from .exchange import exchange_replicated, exchange_sharded
+from .placements import Layout, layout_of, local
+from .state import expected_rows, stats_follow_rows
+
+__all__ = ["DistributedStep", "dtensor_infos"]
+
+
+def dtensor_infos(infos) -> List[ParamInfo]:
+    return [info for info in infos if is_dtensor(info.param)]
+
+
+class _Entry(NamedTuple):
+    info: ParamInfo
+    param: torch.Tensor  # local
+    grad: torch.Tensor  # local, contiguous
+
+
+class DistributedStep:
+    """Plans and runs the DTensor params' part of `MuonAdamW.step`.
+    `bytes_sent`: bytes this rank has sent to other ranks in Muon exchanges
+    (all steps; the small agreement collective is not counted)."""
+
+    def __init__(self):
+        self.bytes_sent = 0
+        self._dinfos: List[ParamInfo] = []
+        self._seen = 0  # how many infos _dinfos was taken from (the table only grows: add_param_group)
+
+    # -- checks -----------------------------------------------------------
+
+    def check(self, planner, infos: List[ParamInfo], groups: List[dict], tensors: Mapping, *, all_state: bool,
+              reading: bool) -> None:
+        """The planner's checks (`StepPlanner.check_params`) on each DTensor
+        param's local tensors, plus what only DTensors have: state tensors
+        are DTensors, local rows follow the chunk rule, NorMuon statistics
+        have their local shape."""
+        for info in infos:
+            p, lp = info.param, local(info.param)
+            if lp.dim() and lp.shape[0] != expected_rows(p):
+                raise ValueError(f"{info.name} holds {lp.shape[0]} rows on this rank; DTensor's chunk rule gives "
+                                 f"{expected_rows(p)} (placements {tuple(p.placements)}, shape {tuple(p.shape)})")
+            entry = tensors.get(p, {})
+            for key, value in entry.items():
+                if isinstance(value, torch.Tensor) and not is_dtensor(value):
+                    raise TypeError(f"{info.name}: optimizer state '{key}' is a plain tensor; a DTensor param's "
+                                    "state must be DTensors on its mesh (load DTensor state, e.g. through "
+                                    "torch.distributed.checkpoint.state_dict.set_optimizer_state_dict)")
+            group = dict(groups[info.group])
+            local_state = {k: local(v) if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
+            stat = None
+            if info.kind == "muon":
+                stat = local_state.pop("second_momentum_buffer", None)
+                group["beta2"] = None  # its local shape is checked below, not by the planner's whole-matrix rule
+            local_groups = list(groups)
+            local_groups[info.group] = group
+            planner.check_params([dataclasses.replace(info, param=lp)], local_groups, {lp: local_state},
+                                 all_state=all_state, reading=reading)
+            if stat is not None and groups[info.group]["beta2"] is not None:
+                view = groups[info.group]["matrix_view"]
+                want = (lp.shape[0], 1) if stats_follow_rows(p, view) else tuple(second_moment_shape(p, view))
+                if stat.dtype != torch.float32 or tuple(stat.shape) != want or stat.device != lp.device \
+                        or not stat.is_contiguous():
+                    raise ValueError(f"{info.name}: optimizer state 'second_momentum_buffer' has local shape "
+                                     f"{tuple(stat.shape)} ({stat.dtype}, {stat.device}), expected {want} "
+                                     f"(torch.float32, contiguous, {lp.device})")
+
+    def _grad(self, info: ParamInfo, grad_attr: str) -> Optional[torch.Tensor]:
+        p = info.param
+        g = getattr(p, grad_attr, None)
+        if g is None:
+            return None
+        if not is_dtensor(g):
+            raise TypeError(f"{info.name}: {grad_attr} is a {type(g).__name__}; a DTensor param needs a DTensor "
+                            "grad")
+        if tuple(g.placements) != tuple(p.placements) or g.device_mesh != p.device_mesh:
+            raise ValueError(f"{info.name}: {grad_attr} has placements {tuple(g.placements)}, the param "
+                             f"{tuple(p.placements)} (reduce Partial grads before stepping)")
+        lg, lp = local(g), local(p)
+        if lg.layout != torch.strided:
+            raise TypeError(f"{info.name}: {grad_attr} has layout {lg.layout}; sparse gradients are not supported")
+        if lg.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{info.name}: {grad_attr} has dtype {lg.dtype}; supported: float32, bfloat16, float16")
+        if lg.shape != lp.shape or lg.device != lp.device:
+            raise ValueError(f"{info.name}: {grad_attr} has local shape {tuple(lg.shape)} on {lg.device}, the "
+                             f"param {tuple(lp.shape)} on {lp.device}")
+        problem = ops.storage_problem(lg)
+        if problem:
+            raise ValueError(f"{info.name}: {grad_attr}: {problem}")
+        return lg.contiguous()
+
+    # -- plan -------------------------------------------------------------
+
+    def plan(self, planner, groups: List[dict], infos: Mapping[int, ParamInfo], tensors: Mapping, grad_attr: str,
+             failed: bool):
+        """The DTensor params' work, or None where this rank's plain planning
+        `failed` (its error is then raised by the caller). Collective when
+        there are DTensor params: every rank must call it at every step."""
+        if self._seen != len(infos):  # a param's type never changes: look again only at new groups
+            self._dinfos, self._seen = dtensor_infos(infos.values()), len(infos)
+        dinfos = self._dinfos
+        if not dinfos:
+            return []
+        error, grads = None, {}
+        if not failed:
+            try:
+                self.check(planner, dinfos, groups, tensors, all_state=True, reading=False)
+                for info in dinfos:
+                    grads[id(info.param)] = self._grad(info, grad_attr)
+            except Exception as exc:  # raised after the agreement, so every rank refuses the step
+                error = exc
+        refused = failed or error is not None
+        self._agree(dinfos, grads, refused, grad_attr)
+        if error is not None:
+            raise error
+        if failed:
+            return None
+        return _work(dinfos, grads, groups)
+
+    def _agree(self, infos: List[ParamInfo], grads: Dict, refused: bool, grad_attr: str) -> None:
+        by_mesh: Dict[object, List[ParamInfo]] = {}
+        for info in infos:
+            by_mesh.setdefault(info.param.device_mesh, []).append(info)
+        for mesh, members in by_mesh.items():
+            device = local(members[0].param).device
+            bits = torch.tensor([int(refused)] + [int(grads.get(id(i.param)) is not None) for i in members],
+                                dtype=torch.int32, device=device)
+            _all_reduce_over(mesh, bits)
+            counts = bits.tolist()
+            if counts[0]:
+                if refused:
+                    return  # this rank raises its own error
+                raise RuntimeError("MuonAdamW.step: the step was refused on another rank (see its error); nothing "
+                                   "was written on any rank")
+            for info, count in zip(members, counts[1:]):
+                if 0 < count < mesh.size():
+                    raise ValueError(f"MuonAdamW.step: {info.name} has a {grad_attr} on {count} of {mesh.size()} "
+                                     "ranks of its mesh; a DTensor param's grad must be present on every rank or "
+                                     "on none (then it is skipped); nothing was written on any rank")
+
+    # -- run --------------------------------------------------------------
+
+    def run(self, work, groups: List[dict], states, scalers, max_workspace_bytes: int) -> None:
+        """Runs planned work: AdamW on local shards, Muon by exchange groups.
+        With a GradScaler (every rank must use one, or none) its found_inf is
+        summed over each mesh first: one more small all_reduce per mesh."""
+        adamw, muon = work
+        agreed: Dict[object, Tuple] = {}
+
+        def scaler_inputs(entries: List[_Entry]) -> Tuple:
+            """GradScaler's (inv_scale, found_inf) with found_inf summed over the mesh: the ranks of a mesh skip
+            or step together (an owner skipping would send stale rows to ranks that step)."""
+            mesh = entries[0].info.param.device_mesh
+            if mesh not in agreed:
+                inv_scale, found_inf = scalers.on(entries[0].param.device)
+                if found_inf is not None:
+                    found_inf = found_inf.clone()
+                    _all_reduce_over(mesh, found_inf)
+                agreed[mesh] = (inv_scale, found_inf)
+            return agreed[mesh]
+
+        for gi, entries in adamw:
+            self._adamw(groups[gi], entries, states.tensors, *scaler_inputs(entries))
+        for (gi, rows, cols, _, _), entries in muon:
+            self._muon(groups[gi], rows, cols, entries, states, max_workspace_bytes, *scaler_inputs(entries))
+        written = [e.info.param for _, entries in adamw + muon for e in entries]
+        if written:
+            torch.autograd.graph.increment_version(written)
+
+    def _adamw(self, group: dict, entries: List[_Entry], tensors, inv_scale, found_inf) -> None:
+        for batch in _batches(entries, lambda e: (e.param.dtype, e.info.master, e.grad.dtype)):
+            state = [tensors[e.info.param] for e in batch]
+            beta1, beta2 = group["betas"]
+            ops.adamw_step(
+                [e.param for e in batch], [e.grad for e in batch], [local(s["exp_avg"]) for s in state],
+                [local(s["exp_avg_sq"]) for s in state], [local(s["step"]) for s in state],
+                masters=[local(s["master_param"]) for s in state if "master_param" in s], lr=group["lr"],
+                beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                adam_w_mode=group["adam_w_mode"], bias_correction=group["bias_correction"], inv_scale=inv_scale,
+                found_inf=found_inf)
+
+    def _muon(self, group: dict, rows: int, cols: int, entries: List[_Entry], states, max_workspace_bytes: int,
+              inv_scale, found_inf) -> None:
+        view = group["matrix_view"]
+        layout: Layout = layout_of(entries[0].info.param)
+        tensors = states.tensors
+        if group["beta2"] is not None:
+            for e in entries:
+                if "second_momentum_buffer" not in tensors[e.info.param]:  # beta2 switched on after construction
+                    states.init(e.info, group)
+        sharded = layout.shard_dim is not None
+        first, second = layout.work_dims()
+
+        def mat(t):  # the kernels' view; a row shard is [local rows, cols]
+            return t.reshape(t.shape[0], cols) if sharded else as_matrices(t, view)
+
+        moms = [mat(local(tensors[e.info.param]["momentum_buffer"])) for e in entries]
+        if layout.mesh.size(first) == 1:  # every matrix is whole here: the fused single-device step, same bits
+            self._muon_fused(group, entries, moms, mat, tensors, inv_scale, found_inf, max_workspace_bytes)
+            return
+        updates = [m.new_empty(m.shape) for m in moms]
+        for batch in _batches(list(range(len(entries))), lambda i: entries[i].grad.dtype):
+            ops.muon_momentum([mat(entries[i].grad) for i in batch], [moms[i] for i in batch],
+                              [updates[i] for i in batch], momentum=group["momentum"], nesterov=group["nesterov"],
+                              inv_scale=inv_scale, found_inf=found_inf)
+        stats = []
+        if group["beta2"] is not None:
+            stats = [local(tensors[e.info.param]["second_momentum_buffer"]) for e in entries]
+
+        def orthogonalize(whole: List[torch.Tensor], whole_stats: List[torch.Tensor]) -> None:
+            ops.muon_orthogonalize(whole, whole_stats, beta2=group["beta2"], ns_steps=group["ns_steps"],
+                                   ns_coefficients=group["ns_coefficients"], max_workspace_bytes=max_workspace_bytes,
+                                   polar_dtype=group["polar_dtype"], found_inf=found_inf)
+
+        if not sharded:
+            self.bytes_sent += exchange_replicated(layout.ranks(first), updates, stats, orthogonalize)
+        else:
+            stats_sharded = bool(stats) and stats_follow_rows(entries[0].info.param, view)
+
+            def in_shard_group(ups: List[torch.Tensor], sts: List[torch.Tensor]) -> int:
+                return exchange_sharded(layout.ranks(first), rows, cols, ups, sts, stats_sharded, orthogonalize)
+
+            if second is not None and layout.mesh.size(second) > 1:  # HSDP: the replicas split the matrices too
+                self.bytes_sent += exchange_replicated(layout.ranks(second), updates, stats, in_shard_group)
+            else:
+                self.bytes_sent += in_shard_group(updates, stats)
+        for batch in _batches(list(range(len(entries))), lambda i: (entries[i].param.dtype, entries[i].info.master)):
+            masters = [mat(local(tensors[entries[i].info.param]["master_param"])) for i in batch
+                       if "master_param" in tensors[entries[i].info.param]]
+            ops.muon_apply([mat(entries[i].param) for i in batch], [updates[i] for i in batch], masters=masters,
+                           lr=group["lr"], weight_decay=group["weight_decay"], lr_scale=group["lr_scale"],
+                           matrix_shape=(rows, cols), found_inf=found_inf)
+
+    @staticmethod
+    def _muon_fused(group: dict, entries: List[_Entry], moms, mat, tensors, inv_scale, found_inf,
+                    max_workspace_bytes: int) -> None:
+        for batch in _batches(list(range(len(entries))),
+                              lambda i: (entries[i].param.dtype, entries[i].info.master, entries[i].grad.dtype)):
+            state = [tensors[entries[i].info.param] for i in batch]
+            ops.muon_step(
+                [mat(entries[i].param) for i in batch], [mat(entries[i].grad) for i in batch], [moms[i] for i in batch],
+                [local(s["second_momentum_buffer"]) for s in state] if group["beta2"] is not None else [],
+                masters=[mat(local(s["master_param"])) for s in state if "master_param" in s], lr=group["lr"],
+                momentum=group["momentum"], nesterov=group["nesterov"], beta2=group["beta2"],
+                weight_decay=group["weight_decay"], ns_steps=group["ns_steps"],
+                ns_coefficients=group["ns_coefficients"], lr_scale=group["lr_scale"],
+                polar_dtype=group["polar_dtype"], inv_scale=inv_scale, found_inf=found_inf,
+                max_workspace_bytes=max_workspace_bytes)
+
+
+def _all_reduce_over(mesh, t: torch.Tensor) -> None:
+    """Sums `t` over every rank of `mesh`: one collective (over the default group where the mesh spans it)."""
+    if mesh.size() == dist.get_world_size():
+        dist.all_reduce(t)
+    else:
+        for dim in range(mesh.ndim):
+            dist.all_reduce(t, group=mesh.get_group(dim))
+
+
+def _work(infos: List[ParamInfo], grads: Dict, groups: List[dict]):
+    """(adamw, muon): [(group index, entries)] and [((group, rows, cols, placements, mesh), entries)], in param
+    order; the Muon key is the same on every rank (never the local shape)."""
+    adamw: Dict[int, List[_Entry]] = {}
+    muon: Dict[Tuple, List[_Entry]] = {}
+    for info in infos:
+        g = grads.get(id(info.param))
+        if g is None:
+            continue
+        entry = _Entry(info, local(info.param), g)
+        if info.kind == "adamw":
+            adamw.setdefault(info.group, []).append(entry)
+        else:
+            p = info.param
+            rows, cols = matrix_shape(p, groups[info.group]["matrix_view"], info.name)
+            view_shape = tuple(p.shape) if (groups[info.group]["matrix_view"] == "batch" and p.dim() > 2) else ()
+            key = (info.group, rows, cols, tuple(p.placements), p.device_mesh) + ((view_shape,) if view_shape else ())
+            muon.setdefault(key, []).append(entry)
+    return list(adamw.items()), [(k[:5], v) for k, v in muon.items()]
+
+
+def _batches(items: list, key) -> List[list]:
+    out: Dict = {}
+    for item in items:
+        out.setdefault(key(item), []).append(item)
+    return list(out.values())

@@ -1,0 +1,17 @@
+"""Distributed MuonAdamW on NCCL, one GPU per rank (marked gpu: skipped
+without CUDA; needs two GPUs for W=2). Not yet run on a GPU."""
+
+import pytest
+import torch
+
+import distributed_cases as cases
+from dist_helpers import spawn
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_nccl_sharded_steps_match_single_gpu(tmp_path, world):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    spawn(tmp_path, world, cases.run_all, [(cases.cuda_sharded_matches_single_process, (world,))], backend="nccl")
