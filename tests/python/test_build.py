@@ -45,3 +45,13 @@ def test_import_needs_no_gpu():
     result = run_python(code, env=env)
     assert result.returncode == 0, result.stderr
     assert [round(x, 6) for x in eval(result.stdout)] == [-0.1, -0.1, -0.1]
+
+
+def test_every_subpackage_is_installed():
+    # pyproject.toml lists the packages a wheel holds: a subpackage missing there imports from a source tree only.
+    import tomllib
+
+    root = Path(__file__).resolve().parents[2]
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(init.parent.relative_to(root).parts) for init in (root / "muon_ext").rglob("__init__.py")}
+    assert found == listed
