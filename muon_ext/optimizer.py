@@ -24,7 +24,7 @@ from .amp import GradScalerInputs, capturing, device_lr
 from .buckets import StepPlanner
 from .offload import StagedState, check_offload
 from .distributed.placements import holds_full, local
-from .distributed.step import DistributedStep, dtensor_infos
+from .distributed.step import DistributedStep, agree_on_checks, dtensor_infos
 from .state import OptimizerState, check_master_values
 
 __all__ = ["MuonAdamW"]
@@ -286,15 +286,26 @@ class MuonAdamW(torch.optim.Optimizer):
         That check reads the values: for values on a CUDA device it waits for
         the device (one host synchronization per call); `allow_nonfinite=True`
         skips it.
+
+        For a DTensor param this is a collective over its mesh (every rank
+        calls it with its DTensor values): a check failing on any rank raises
+        on every rank before any rank writes.
         """
         info = self._states.info(param)
-        check_master_values(info, values)
-        if capturing():
-            raise RuntimeError("update_param: not allowed during CUDA graph capture")
-        self._check_params([info], all_state=False, reading=False)
-        if not allow_nonfinite and not bool(torch.isfinite(local(values)).all()):  # DTensor: this rank's part
-            raise ValueError(f"update_param: the values for {info.name} hold NaN or inf; a non-finite master "
-                             "poisons every later step (pass allow_nonfinite=True to write them anyway)")
+
+        def checks():
+            check_master_values(info, values)
+            if capturing():
+                raise RuntimeError("update_param: not allowed during CUDA graph capture")
+            self._check_params([info], all_state=False, reading=False)
+            if not allow_nonfinite and not bool(torch.isfinite(local(values)).all()):  # DTensor: this rank's part
+                raise ValueError(f"update_param: the values for {info.name} hold NaN or inf; a non-finite master "
+                                 "poisons every later step (pass allow_nonfinite=True to write them anyway)")
+
+        if is_dtensor(param):
+            agree_on_checks(param, checks, "update_param")
+        else:
+            checks()
         self._states.init(info, self.param_groups[info.group])
         self._states.write_master(info, values.detach().to(param.device).contiguous())
 

@@ -15,7 +15,7 @@ their params.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Mapping, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -28,7 +28,7 @@ from .exchange import exchange_replicated, exchange_sharded
 from .placements import Layout, layout_of, local
 from .state import expected_rows, stats_follow_rows
 
-__all__ = ["DistributedStep", "dtensor_infos"]
+__all__ = ["DistributedStep", "dtensor_infos", "agree_on_checks"]
 
 
 def dtensor_infos(infos) -> List[ParamInfo]:
@@ -270,6 +270,25 @@ class DistributedStep:
                 ns_coefficients=group["ns_coefficients"], lr_scale=group["lr_scale"],
                 polar_dtype=group["polar_dtype"], inv_scale=inv_scale, found_inf=found_inf,
                 max_workspace_bytes=max_workspace_bytes)
+
+
+def agree_on_checks(param, checks: Callable[[], None], what: str) -> None:
+    """Runs `checks` on this rank, then agrees with every rank of the DTensor
+    `param`'s mesh (one small all_reduce): if they failed on any rank, every
+    rank raises (its own error where they failed, a RuntimeError naming
+    `what` elsewhere), so that no rank writes while another refuses."""
+    error = None
+    try:
+        checks()
+    except Exception as exc:  # re-raised below, after the collective every rank must join
+        error = exc
+    refused = torch.tensor([int(error is not None)], dtype=torch.int32, device=local(param).device)
+    _all_reduce_over(param.device_mesh, refused)
+    if error is not None:
+        raise error
+    if int(refused.item()):
+        raise RuntimeError(f"{what}: refused on another rank of the mesh (see its error); nothing was written on "
+                           "any rank")
 
 
 def _all_reduce_over(mesh, t: torch.Tensor) -> None:

@@ -248,6 +248,20 @@ def update_param_with_dtensors(rank, world, mesh_shape, *_):
         else:
             raise AssertionError(f"update_param accepted values expected to fail with {match!r}")
         _assert_unchanged(opt, before, f"update_param refused ({match})")
+    if mesh_shape[-1] > 1:  # NaN in one shard only: its ranks refuse, the others too, nothing is written anywhere
+        poisoned = new.clone()
+        poisoned[0, 0] = float("nan")
+        values = dtensor(poisoned, mesh, shard)
+        mine_bad = bool(torch.isnan(values.to_local()).any())
+        before = _local_snapshot(opt)
+        try:
+            opt.update_param(w, values)
+        except (ValueError, RuntimeError) as exc:
+            want = "NaN or inf" if mine_bad else "refused on another rank"
+            assert want in str(exc), f"rank {rank}: {want!r} not in {exc}"
+        else:
+            raise AssertionError(f"rank {rank}: update_param wrote while another rank refused")
+        _assert_unchanged(opt, before, "update_param refused on one rank")
     with_plain = torch.randn(4)
     try:
         opt.update_param(r, with_plain)
