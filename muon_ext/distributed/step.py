@@ -129,6 +129,7 @@ class DistributedStep:
         if not failed:
             try:
                 self.check(planner, dinfos, groups, tensors, all_state=True, reading=False)
+                _check_no_overlap(dinfos)
                 for info in dinfos:
                     grads[id(info.param)] = self._grad(info, grad_attr)
             except Exception as exc:  # raised after the agreement, so every rank refuses the step
@@ -270,6 +271,18 @@ class DistributedStep:
                 ns_coefficients=group["ns_coefficients"], lr_scale=group["lr_scale"],
                 polar_dtype=group["polar_dtype"], inv_scale=inv_scale, found_inf=found_inf,
                 max_workspace_bytes=max_workspace_bytes)
+
+
+def _check_no_overlap(infos: List[ParamInfo]) -> None:
+    """Raises, naming both, if two DTensor params' local parts share bytes on
+    this rank (each would be stepped, and written, twice). Local parts are
+    contiguous (checked before): a sort of their byte ranges finds any overlap."""
+    spans = sorted(((lp.data_ptr(), lp.data_ptr() + lp.numel() * lp.element_size(), info)
+                    for info in infos for lp in (local(info.param),) if lp.numel()), key=lambda span: span[:2])
+    for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+        if start < end:
+            raise ValueError(f"{second.name} shares memory with {first.name} on this rank; every param needs "
+                             "storage of its own (to tie weights, put one Parameter in one group)")
 
 
 def agree_on_checks(param, checks: Callable[[], None], what: str) -> None:

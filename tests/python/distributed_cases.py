@@ -191,6 +191,15 @@ def none_grads_and_refusals(rank, world, mesh_shape, *_):
     grads()
     opt.step()  # the optimizer still steps after the refusals
 
+    # Two DTensor params whose local parts share bytes: refused on every rank.
+    first = torch.nn.Parameter(dtensor(torch.randn(8, 4, generator=gen), mesh, shard))
+    second = torch.nn.Parameter(DTensor.from_local(first.to_local(), mesh, shard, run_check=False,
+                                                   shape=first.shape, stride=first.stride()))
+    tied = MuonAdamW([{"params": [first, second], "kind": "adamw"}])
+    for p in (first, second):
+        p.grad = dtensor(torch.randn(8, 4, generator=gen), mesh, shard)
+    _raises_everywhere(tied, rank, ValueError, "shares memory with", "refused on another rank", None)
+
     # GradScaler's found_inf set on one rank only: every rank skips its DTensor
     # params (an owner skipping alone would hand stale rows to the others).
     grads()
