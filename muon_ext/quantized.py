@@ -17,12 +17,12 @@ a copy of a param's master up to date.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Optional, Tuple
 
 import torch
 
 from . import ops, reference
+from .writers import stream_context
 
 __all__ = ["DEFAULT_BLOCK", "quantize_fp8", "dequantize_fp8", "scale_inv_shape", "Fp8Writer"]
 
@@ -161,7 +161,6 @@ class Fp8Writer:
         if master.shape != self.q_out.shape or master.device != self.q_out.device:
             raise ValueError(f"{op}: master of shape {tuple(master.shape)} on {master.device} does not fit q_out "
                              f"of shape {tuple(self.q_out.shape)} on {self.q_out.device}")
-        context = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-        with context:
+        with stream_context(stream):
             quantize_fp8(master, block=self.block, out=self.q_out, out_scale_inv=self.scale_inv_out,
                          found_inf=found_inf)

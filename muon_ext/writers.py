@@ -18,12 +18,14 @@ Quantized params in TransformerEngine's sense (a tensor subclass with
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
 
+from . import ops
 from ._types import ParamInfo, is_dtensor
 
 __all__ = ["WriterEntry", "is_quantized", "quantized_writer", "check_registration", "check_released",
@@ -53,15 +55,17 @@ def quantized_writer(param, master: torch.Tensor, stream, found_inf: Optional[to
     TransformerEngine's do). Without it a skipped step re-quantizes the
     unchanged master, which stores the same values again."""
     with stream_context(stream):
-        if found_inf is not None and _takes_noop_flag(param.quantize_):
+        if found_inf is not None and _takes_noop_flag(type(param)):
             param.quantize_(master, noop_flag=found_inf)
         else:
             param.quantize_(master)
 
 
-def _takes_noop_flag(fn) -> bool:
+@functools.lru_cache(maxsize=None)
+def _takes_noop_flag(cls: type) -> bool:
+    """Whether `cls.quantize_` accepts `noop_flag` (looked up once per class, not at every step)."""
     try:
-        return "noop_flag" in inspect.signature(fn).parameters
+        return "noop_flag" in inspect.signature(cls.quantize_).parameters
     except (TypeError, ValueError):  # builtins without a signature
         return False
 
@@ -88,11 +92,7 @@ def _same_storage(a: torch.UntypedStorage, b: torch.UntypedStorage) -> bool:
 
 def storage_held(p: torch.Tensor) -> bool:
     """Whether `p`'s storage holds every element its view addresses (a released storage does not)."""
-    storage = _storage_of(p)
-    if storage is None or p.numel() == 0:
-        return True
-    extent = p.storage_offset() + sum((size - 1) * stride for size, stride in zip(p.shape, p.stride())) + 1
-    return storage.nbytes() >= extent * p.element_size()
+    return not ops.storage_problem(p)
 
 
 def check_registration(info: ParamInfo, writer, storage) -> None:
