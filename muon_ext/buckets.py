@@ -130,7 +130,7 @@ class StepPlanner:
         return [planned for entry in checked for planned in _work_items(*entry)]
 
     def check_params(self, infos: Iterable[ParamInfo], groups: List[dict], tensors: Mapping, *, all_state: bool,
-                     reading: bool) -> None:
+                     reading: bool, ranges=None, tag: int = 0) -> None:
         """The checks of a step for params read or written outside one:
         layout, contiguity, storage, and the master (`all_state`: every state
         entry) where present. Writing (update_param, load_state_dict): the
@@ -138,8 +138,9 @@ class StepPlanner:
         get_full_parameter_master): the master must be present, and a dtype
         that no longer fits the mode is refused only where the master cannot
         be read (remainders need a bfloat16 param), so a cast model's state can
-        still be saved and loaded into a new optimizer."""
-        for info in infos:
+        still be saved and loaded into a new optimizer. Params are recorded
+        in `ranges` (a `_C.MemoryRanges`, when given) as (`tag` + their position, 0)."""
+        for position, info in enumerate(infos):
             p = info.param
             if not reading or info.master == "remainder":
                 self._check_master_mode(info)
@@ -154,7 +155,7 @@ class StepPlanner:
             check_released(info, "")
             bad, problem, key, other, _, _, _ = _C.check_bucket(
                 [p], None, tensors, dtype=p.dtype, device=p.device, rules=rules, rows=rows, cols=cols,
-                matrix_view=view, ranges=None, bucket=0, param_data=info.writer is None)
+                matrix_view=view, ranges=ranges, bucket=tag + position, param_data=info.writer is None)
             if bad >= 0:
                 self._raise(problem, info, key, None, _Spec(p.dtype, p.device, rows, cols), tensors, "")
 

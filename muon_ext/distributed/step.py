@@ -20,7 +20,7 @@ from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .. import ops
+from .. import _C, ops
 from .._shapes import as_matrices, matrix_shape, second_moment_shape
 from .._types import ParamInfo, is_dtensor
 from ..schema import SUPPORTED_DTYPES
@@ -54,12 +54,13 @@ class DistributedStep:
     # -- checks -----------------------------------------------------------
 
     def check(self, planner, infos: List[ParamInfo], groups: List[dict], tensors: Mapping, *, all_state: bool,
-              reading: bool) -> None:
+              reading: bool, ranges=None) -> None:
         """The planner's checks (`StepPlanner.check_params`) on each DTensor
         param's local tensors, plus what only DTensors have: state tensors
         are DTensors, local rows follow the chunk rule, NorMuon statistics
-        have their local shape."""
-        for info in infos:
+        have their local shape. Local params are recorded in `ranges` (when
+        given) tagged by their position in `infos`."""
+        for position, info in enumerate(infos):
             p, lp = info.param, local(info.param)
             if lp.dim() and lp.shape[0] != expected_rows(p):
                 raise ValueError(f"{info.name} holds {lp.shape[0]} rows on this rank; DTensor's chunk rule gives "
@@ -79,7 +80,7 @@ class DistributedStep:
             local_groups = list(groups)
             local_groups[info.group] = group
             planner.check_params([dataclasses.replace(info, param=lp)], local_groups, {lp: local_state},
-                                 all_state=all_state, reading=reading)
+                                 all_state=all_state, reading=reading, ranges=ranges, tag=position)
             if stat is not None and groups[info.group]["beta2"] is not None:
                 view = groups[info.group]["matrix_view"]
                 want = (lp.shape[0], 1) if stats_follow_rows(p, view) else tuple(second_moment_shape(p, view))
@@ -128,8 +129,14 @@ class DistributedStep:
         error, grads = None, {}
         if not failed:
             try:
-                self.check(planner, dinfos, groups, tensors, all_state=True, reading=False)
-                _check_no_overlap(dinfos)
+                ranges = _C.MemoryRanges()
+                self.check(planner, dinfos, groups, tensors, all_state=True, reading=False, ranges=ranges)
+                overlap = ranges.first_overlap()
+                if overlap is not None:  # each would be stepped, and written, twice
+                    (first, _), (second, _) = overlap
+                    raise ValueError(f"{dinfos[second].name} shares memory with {dinfos[first].name} on this rank; "
+                                     "every param needs storage of its own (to tie weights, put one Parameter in "
+                                     "one group)")
                 for info in dinfos:
                     grads[id(info.param)] = self._grad(info, grad_attr)
             except Exception as exc:  # raised after the agreement, so every rank refuses the step
@@ -271,18 +278,6 @@ class DistributedStep:
                 ns_coefficients=group["ns_coefficients"], lr_scale=group["lr_scale"],
                 polar_dtype=group["polar_dtype"], inv_scale=inv_scale, found_inf=found_inf,
                 max_workspace_bytes=max_workspace_bytes)
-
-
-def _check_no_overlap(infos: List[ParamInfo]) -> None:
-    """Raises, naming both, if two DTensor params' local parts share bytes on
-    this rank (each would be stepped, and written, twice). Local parts are
-    contiguous (checked before): a sort of their byte ranges finds any overlap."""
-    spans = sorted(((lp.data_ptr(), lp.data_ptr() + lp.numel() * lp.element_size(), info)
-                    for info in infos for lp in (local(info.param),) if lp.numel()), key=lambda span: span[:2])
-    for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
-        if start < end:
-            raise ValueError(f"{second.name} shares memory with {first.name} on this rank; every param needs "
-                             "storage of its own (to tie weights, put one Parameter in one group)")
 
 
 def agree_on_checks(param, checks: Callable[[], None], what: str) -> None:
