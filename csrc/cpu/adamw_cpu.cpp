@@ -1,4 +1,5 @@
-// Step-counter handling and instruction-set dispatch for the CPU AdamW kernel.
+// Step-counter handling and instruction-set dispatch for the per-ISA CPU
+// kernels (AdamW and the remainder blocks).
 #include "adamw_cpu.h"
 
 #include <ATen/Version.h>
@@ -35,19 +36,43 @@ const char* capability_name(CpuCapability capability) {
 
 namespace {
 
-using ApplyFn = void (*)(const AdamWBatch&, const std::vector<AdamWCoeffs<float>>&);
+// The entry points of one instruction set's kernel build.
+struct IsaKernels {
+  void (*apply)(const AdamWBatch&, const std::vector<AdamWCoeffs<float>>&);
+  void (*split)(const float*, uint16_t*, int16_t*, int64_t);
+  void (*merge)(const uint16_t*, const int16_t*, float*, int64_t);
+};
 
-ApplyFn kernel_for(CpuCapability capability) {
+#define MUON_EXT_ISA_KERNELS(ISA) \
+  IsaKernels { &ISA::adamw_apply, &ISA::split_master_block, &ISA::merge_master_block }
+
+// nullptr when the capability is not built in.
+const IsaKernels* kernels_for(CpuCapability capability) {
+  static const IsaKernels default_kernels = MUON_EXT_ISA_KERNELS(DEFAULT);
   switch (capability) {
 #if defined(MUON_EXT_HAVE_AVX512)
-    case CpuCapability::kAVX512: return &AVX512::adamw_apply;
+    case CpuCapability::kAVX512: {
+      static const IsaKernels avx512_kernels = MUON_EXT_ISA_KERNELS(AVX512);
+      return &avx512_kernels;
+    }
 #endif
 #if defined(MUON_EXT_HAVE_AVX2)
-    case CpuCapability::kAVX2: return &AVX2::adamw_apply;
+    case CpuCapability::kAVX2: {
+      static const IsaKernels avx2_kernels = MUON_EXT_ISA_KERNELS(AVX2);
+      return &avx2_kernels;
+    }
 #endif
-    case CpuCapability::kDefault: return &DEFAULT::adamw_apply;
+    case CpuCapability::kDefault: return &default_kernels;
     default: return nullptr;
   }
+}
+
+#undef MUON_EXT_ISA_KERNELS
+
+const IsaKernels& checked_kernels(const char* op, CpuCapability capability) {
+  const IsaKernels* kernels = kernels_for(capability);
+  TORCH_CHECK(kernels != nullptr, op, ": CPU capability ", capability_name(capability), " is not built in");
+  return *kernels;
 }
 
 // FP32 params are their own master; only BF16 params carry remainders.
@@ -65,8 +90,7 @@ bool is_supported(ScalarKind param, MasterKind master) {
 void adamw_step(const AdamWBatch& batch, const AdamWHyper& hyper, float lr, float inv_scale,
                 CpuCapability capability) {
   // Everything that can be refused is refused before a step counter moves.
-  const ApplyFn apply = kernel_for(capability);
-  TORCH_CHECK(apply != nullptr, "adamw_step: CPU capability ", capability_name(capability), " is not built in");
+  const IsaKernels& kernels = checked_kernels("adamw_step", capability);
   TORCH_CHECK(is_supported(batch.param_kind, batch.master_kind), "adamw_step: master kind ",
               static_cast<int>(batch.master_kind), " is not supported for this param dtype");
   std::vector<AdamWCoeffs<float>> coeffs;
@@ -75,11 +99,19 @@ void adamw_step(const AdamWBatch& batch, const AdamWHyper& hyper, float lr, floa
     *t.step += 1.0f;
     coeffs.push_back(make_adamw_coeffs(hyper, lr, *t.step, inv_scale));
   }
-  apply(batch, coeffs);
+  kernels.apply(batch, coeffs);
 }
 
 void adamw_step(const AdamWBatch& batch, const AdamWHyper& hyper, float lr, float inv_scale) {
   adamw_step(batch, hyper, lr, inv_scale, best_capability());
+}
+
+void split_master_block(const float* master, uint16_t* hi, int16_t* rem, int64_t n, CpuCapability capability) {
+  checked_kernels("split_master_block", capability).split(master, hi, rem, n);
+}
+
+void merge_master_block(const uint16_t* hi, const int16_t* rem, float* master, int64_t n, CpuCapability capability) {
+  checked_kernels("merge_master_block", capability).merge(hi, rem, master, n);
 }
 
 }  // namespace cpu

@@ -48,11 +48,19 @@ std::vector<CpuCapability> available_capabilities();
 CpuCapability best_capability();
 const char* capability_name(CpuCapability capability);
 
-// The per-ISA kernels: the element update with per-tensor coefficients; the
-// step counters are not touched here.
-#define MUON_EXT_DECLARE_ADAMW_KERNEL(ISA) \
-  namespace ISA {                          \
+// Remainder split / merge (common/remainder.h) of n contiguous elements,
+// vectorized with the given (or best) instruction set; every one gives the
+// scalar rule's bits.  Serial: callers split large inputs over threads.
+void split_master_block(const float* master, uint16_t* hi, int16_t* rem, int64_t n, CpuCapability capability);
+void merge_master_block(const uint16_t* hi, const int16_t* rem, float* master, int64_t n, CpuCapability capability);
+
+// The per-ISA kernels: the element update with per-tensor coefficients (the
+// step counters are not touched here), and the remainder blocks.
+#define MUON_EXT_DECLARE_ADAMW_KERNEL(ISA)                                                   \
+  namespace ISA {                                                                           \
   void adamw_apply(const AdamWBatch& batch, const std::vector<AdamWCoeffs<float>>& coeffs); \
+  void split_master_block(const float* master, uint16_t* hi, int16_t* rem, int64_t n);      \
+  void merge_master_block(const uint16_t* hi, const int16_t* rem, float* master, int64_t n); \
   }
 MUON_EXT_DECLARE_ADAMW_KERNEL(DEFAULT)
 MUON_EXT_DECLARE_ADAMW_KERNEL(AVX2)

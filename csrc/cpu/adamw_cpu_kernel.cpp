@@ -10,6 +10,7 @@
 #include "../common/bits.h"
 #include "../common/remainder.h"
 #include "adamw_cpu.h"
+#include "remainder_simd.h"
 #include "scalar_io.h"
 
 #ifndef CPU_CAPABILITY
@@ -69,9 +70,54 @@ inline void adamw_contiguous(float* p, float* m, float* v, const float* g, int64
   for (; j < n; ++j) adamw_element(p[j], m[j], v[j], g[j], c);
 }
 
+#if defined(MUON_EXT_REMAINDER_SIMD)
+// BF16 params with remainders: merge, update and split in registers, one
+// vector at a time, instead of staging the masters through a buffer in three
+// passes.  The scalar tail evaluates the same element math, so every element
+// gets the bits of the staged (DEFAULT) loop.
+template <ScalarKind G>
+void adamw_remainder_fused(const AdamWTensor& t, int64_t begin, int64_t end, const AdamWCoeffs<float>& c,
+                           const AdamWCoeffs<Vec>& cv) {
+  uint16_t* hi = static_cast<uint16_t*>(t.param);
+  int16_t* rem = static_cast<int16_t*>(t.master);
+  float* m = t.exp_avg;
+  float* v = t.exp_avg_sq;
+  int64_t i = begin;
+  for (; i + Vec::size() <= end; i += Vec::size()) {
+    Vec p = merge_master_vec(hi + i, rem + i);
+    Vec vm = Vec::loadu(m + i);
+    Vec vv = Vec::loadu(v + i);
+    Vec g;
+    if constexpr (G == ScalarKind::kFloat32) {
+      g = Vec::loadu(static_cast<const float*>(t.grad) + i);
+    } else {
+      g = load_bf16_vec(static_cast<const uint16_t*>(t.grad) + i);
+    }
+    adamw_element(p, vm, vv, g, cv);
+    split_master_vec(p, hi + i, rem + i);
+    vm.store(m + i);
+    vv.store(v + i);
+  }
+  for (; i < end; ++i) {
+    float p = merge_master(hi[i], rem[i]);
+    adamw_element(p, m[i], v[i], load_scalar<G>(t.grad, i), c);
+    const RemainderSplit s = split_master(p);
+    hi[i] = s.bf16_bits;
+    rem[i] = s.remainder;
+  }
+}
+#endif
+
 template <ScalarKind P, ScalarKind G, MasterKind M>
 void adamw_range(const AdamWTensor& t, int64_t begin, int64_t end, const AdamWCoeffs<float>& c) {
   const AdamWCoeffs<Vec> cv = broadcast(c);
+#if defined(MUON_EXT_REMAINDER_SIMD)
+  // FP16 grads stay on the staged loop: only FP32 and BF16 loads have a vector form here.
+  if constexpr (M == MasterKind::kRemainder && G != ScalarKind::kFloat16) {
+    adamw_remainder_fused<G>(t, begin, end, c, cv);
+    return;
+  }
+#endif
   alignas(64) float master_buf[kBlock];
   alignas(64) float grad_buf[kBlock];
   for (int64_t start = begin; start < end; start += kBlock) {
@@ -151,6 +197,26 @@ RangeFn pick_range_fn(ScalarKind p, ScalarKind g, MasterKind m) {
 }
 
 }  // namespace
+
+void split_master_block(const float* master, uint16_t* hi, int16_t* rem, int64_t n) {
+  int64_t i = 0;
+#if defined(MUON_EXT_REMAINDER_SIMD)
+  for (; i + Vec::size() <= n; i += Vec::size()) split_master_vec(Vec::loadu(master + i), hi + i, rem + i);
+#endif
+  for (; i < n; ++i) {
+    const RemainderSplit s = split_master(master[i]);
+    hi[i] = s.bf16_bits;
+    rem[i] = s.remainder;
+  }
+}
+
+void merge_master_block(const uint16_t* hi, const int16_t* rem, float* master, int64_t n) {
+  int64_t i = 0;
+#if defined(MUON_EXT_REMAINDER_SIMD)
+  for (; i + Vec::size() <= n; i += Vec::size()) merge_master_vec(hi + i, rem + i).store(master + i);
+#endif
+  for (; i < n; ++i) master[i] = merge_master(hi[i], rem[i]);
+}
 
 void adamw_apply(const AdamWBatch& batch, const std::vector<AdamWCoeffs<float>>& coeffs) {
   const RangeFn range_fn = pick_range_fn(batch.param_kind, batch.grad_kind, batch.master_kind);
