@@ -5,14 +5,16 @@
 #
 #   bench/gpu_check.sh RESULTS_DIR [STAGE ...]
 #
-# STAGEs: build tests adamw muon step offload quantize (default: all, in that order). One device
+# STAGEs: build tests adamw muon step offload quantize (default: all, in that order), and
+# sanitize (only when named): compute-sanitizer memcheck and racecheck over the
+# ragged, scalar, grid-stride and shared-memory paths of a few GPU tests. One device
 # command may run 10 minutes, so a lease typically runs `build tests adamw`
 # in one call and `muon step offload` in a second (the in-place build is kept).
 # RESULTS_DIR receives: stages.json (rc and seconds per stage), log.txt (all
 # output), gpu_tests.json (per-test outcomes) and one JSON file per benchmark.
 set -uo pipefail
 
-OUT=${1:?usage: bench/gpu_check.sh RESULTS_DIR [build|tests|adamw|muon|step|offload|quantize ...]}
+OUT=${1:?usage: bench/gpu_check.sh RESULTS_DIR [build|tests|adamw|muon|step|offload|quantize|sanitize ...]}
 shift
 STAGES_WANTED=${*:-build tests adamw muon step offload quantize}
 mkdir -p "$OUT"
@@ -80,4 +82,18 @@ wants muon && stage bench_muon 200 "$PY" bench/muon.py --device cuda --out "$OUT
 wants step && stage bench_step 240 "$PY" bench/step.py --device cuda --out "$OUT/step.json"
 wants offload && stage bench_offload 240 "$PY" bench/offload.py --device cuda --out "$OUT/offload.json"
 wants quantize && stage bench_quantize 120 "$PY" bench/quantize.py --device cuda --out "$OUT/quantize.json"
+if wants sanitize; then
+  SANITIZER="$CUDA_HOME/bin/compute-sanitizer"
+  SANITIZED_TESTS=(tests/python/test_muon_phases_cuda.py tests/python/test_quantize_fp8_cuda.py
+                   tests/python/test_adamw_cuda.py -m gpu -q -x -p no:cacheprovider
+                   -k "odd or experts or one or None or empty or many")
+  if [ -x "$SANITIZER" ]; then
+    for tool in memcheck racecheck; do
+      stage "sanitize_$tool" 240 "$SANITIZER" --tool "$tool" --error-exitcode 99 \
+        "$PY" -m pytest "${SANITIZED_TESTS[@]}"
+    done
+  else
+    stage sanitize_missing 5 sh -c "echo '$SANITIZER not found'; exit 127"
+  fi
+fi
 exit 0

@@ -543,6 +543,8 @@ struct OrthogonalizeSpec {
 // batch count.
 class MatrixChunks {
  public:
+  static constexpr int64_t kMaxChunkMatrices = 65535;
+
   // `tensors`: the bucket tensors whose matrices are processed (params or updates).
   MatrixChunks(const std::vector<at::Tensor>& tensors, const OrthogonalizeSpec& spec)
       : spec_(spec), numel_(spec.rows * spec.cols) {
@@ -563,7 +565,11 @@ class MatrixChunks {
         numel_ * int64_t(c10::elementSize(x_dtype)) +
         (orthogonalize ? polar_express_workspace_bytes(spec.rows, spec.cols, x_dtype) : 0) +
         blocks_per_matrix_ * int64_t(sizeof(double)) + fp32_scratch * int64_t(sizeof(float));
-    capacity_ = std::min(total_, std::max<int64_t>(1, spec.max_workspace_bytes / per_matrix_workspace_bytes));
+    // At most 65535 matrices per chunk: some cuBLAS versions mishandle larger
+    // batch counts (torch works around it on sm_7x), and capping here, not in
+    // polar_express, keeps the fused step and phase 2 cutting the same chunks.
+    capacity_ = std::min({total_, kMaxChunkMatrices,
+                          std::max<int64_t>(1, spec.max_workspace_bytes / per_matrix_workspace_bytes)});
 
     // Grid sizes are checked before anything is allocated or enqueued.
     element_blocks_ = grid_size(blocks_per_matrix_, spec.op);

@@ -105,6 +105,21 @@ def test_two_runs_identical_and_chunking_close():
         assert ((d_a - d_c).norm() / d_a.norm()).item() < 0.02
 
 
+def test_more_matrices_than_one_cublas_batch():
+    """70000 matrices of 8x8 in one tensor: the default workspace would hold all
+    of them, but a chunk is capped at 65535 matrices (some cuBLAS versions fail
+    above that batch count). Agrees with small forced chunks and with the CPU
+    kernel to BF16 noise."""
+    shapes = [(70000, 8, 8)]
+    start = make_muon_set(shapes, "fp32").params[0]
+    deltas = []
+    for device, workspace in (("cuda", 1 << 30), ("cuda", 8 << 20), ("cpu", 1 << 30)):
+        s = _run(shapes, "fp32", device, steps=1, lr=0.02, max_workspace_bytes=workspace)
+        deltas.append(fp32_master(s.to("cpu"), 0) - start)
+    for other in deltas[1:]:
+        assert ((deltas[0] - other).norm() / deltas[0].norm()).item() < 0.02
+
+
 def test_no_host_sync_and_found_inf():
     shapes = SHAPES["square"]
     s = make_muon_set(shapes, "bf16_remainder").to("cuda")
