@@ -4,6 +4,10 @@
 #include <ATen/record_function.h>
 #include <torch/extension.h>
 
+#if defined(MUON_EXT_WITH_CUDA)
+#include <cuda_runtime_api.h>
+#endif
+
 #include <c10/util/SmallVector.h>
 
 #include <algorithm>
@@ -399,6 +403,27 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Test hook: how many distinct threads at::parallel_for, as compiled into the kernels, runs on.");
 #if defined(MUON_EXT_WITH_CUDA)
   m.attr("with_cuda") = true;
+  // Page-locking of CPU slabs for offload="cpu" (muon_ext/offload.py). A failed
+  // call's error is cleared here: left as CUDA's last error, it would be
+  // reported by the next kernel launch check, in unrelated code.
+  m.def(
+      "register_host_memory",
+      [](uintptr_t ptr, size_t nbytes) {
+        if (cudaHostRegister(reinterpret_cast<void*>(ptr), nbytes, cudaHostRegisterDefault) == cudaSuccess) return true;
+        (void)cudaGetLastError();
+        return false;
+      },
+      py::arg("ptr"), py::arg("nbytes"), py::call_guard<py::gil_scoped_release>(),
+      "Page-locks [ptr, ptr + nbytes) for asynchronous copies; False (error cleared) where CUDA refuses.");
+  m.def(
+      "unregister_host_memory",
+      [](uintptr_t ptr) {
+        if (cudaHostUnregister(reinterpret_cast<void*>(ptr)) == cudaSuccess) return true;
+        (void)cudaGetLastError();
+        return false;
+      },
+      py::arg("ptr"), py::call_guard<py::gil_scoped_release>(),
+      "Undoes register_host_memory; False (error cleared) where CUDA refuses, e.g. after its shutdown.");
 #else
   m.attr("with_cuda") = false;
 #endif

@@ -1,7 +1,8 @@
 """CPU-staged optimizer state (MuonAdamW(offload="cpu")).
 
 Every param's optimizer state (FP32 master, moments, AdamW step counter) lives
-in CPU slabs, pinned when the params are on CUDA; the per-param state entries
+in CPU slabs, page-locked (registered with CUDA, not rounded up to a power of
+two as torch's pinned blocks are) when the params are on CUDA; the per-param state entries
 are views into them, so state_dict, checkpoints and get_full_parameter_master
 read them without copies. A step then runs as a small state machine:
 
@@ -24,14 +25,17 @@ CI tests the slot logic, residency, drain and the state views (docs/design.md,
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from . import _C
 from ._shapes import matrix_shape, second_moment_shape
 from ._types import ParamInfo, WorkItem, is_dtensor
 from .schema import label
+from .writers import is_quantized
 
 __all__ = ["OffloadConfig", "check_offload", "StagedState"]
 
@@ -223,9 +227,38 @@ class _CudaStreams:
             event.synchronize()
 
     def drain(self) -> None:
-        # Every D2H waited for its compute and H2D: the D2H stream is the last of them.
+        # Every D2H waited for its compute and H2D: the D2H stream is the last of
+        # them, except after a step that raised between a chunk's compute and its
+        # D2H; the compute stream is waited for too, so no kernel still writes a
+        # slot that release_staging hands back.
         self.d2h.synchronize()
+        self.compute.synchronize()
         self.h2d.synchronize()
+
+
+def _unregister_host_memory(buffer: torch.Tensor) -> None:
+    # Also runs at interpreter exit, possibly after CUDA shut down: a refusal
+    # there leaves nothing to undo.
+    _C.unregister_host_memory(buffer.data_ptr())
+
+
+def _page_locked_zeros(numel: int, owner: object) -> torch.Tensor:
+    """A zeroed FP32 CPU tensor of `numel` elements in page-locked memory.
+
+    torch's pinned allocator rounds every block up to a power of two (a slab
+    just over 2^k bytes would pin 2^(k+1)), so the slab is a plain CPU tensor
+    registered with CUDA instead (registered memory counts as pinned for
+    is_pinned() and makes copies asynchronous). It is unregistered when
+    `owner` is collected, or at exit; the finalizer holds the tensor until
+    then, so its memory is never freed while registered, and views that
+    outlive the owner stay valid pageable memory. Where CUDA refuses to
+    register it, torch's pinned allocator is used.
+    """
+    slab = torch.zeros(numel, dtype=torch.float32)
+    if numel == 0 or not _C.register_host_memory(slab.data_ptr(), slab.nbytes):
+        return torch.zeros(numel, dtype=torch.float32, pin_memory=True)
+    weakref.finalize(owner, _unregister_host_memory, slab)
+    return slab
 
 
 # --------------------------------------------------------------------------
@@ -279,6 +312,10 @@ class StagedState:
             if p.device != device or device.type not in ("cpu", "cuda"):
                 raise ValueError(f"{where} is on {p.device}; with offload='cpu' every param must be on one CPU or "
                                  f"CUDA device (the first is on {device})")
+            if group["kind"] == "adamw" and p.device.type == "cuda" and is_quantized(p):
+                raise ValueError(f"{where} is a quantized param: with offload='cpu', AdamW params on CUDA are "
+                                 "updated on the CPU and cannot be written through its quantize_; put it in a "
+                                 "Muon group or keep offload='none'")
             if group["kind"] == "muon" and self.config.slot_numel is not None and p.numel() > self.config.slot_numel:
                 rows, cols = matrix_shape(p, group["matrix_view"], where)
                 raise ValueError(f"{where} has {p.numel()} elements ({rows}x{cols} matrices), more than "
@@ -293,7 +330,7 @@ class StagedState:
         layouts = [_Layout(info, group) for info in infos]
         device = self.device = infos[0].param.device
         total = sum(layout.size for layout in layouts)
-        slab = torch.zeros(total, dtype=torch.float32, pin_memory=device.type == "cuda")
+        slab = _page_locked_zeros(total, self) if device.type == "cuda" else torch.zeros(total, dtype=torch.float32)
         offset = 0
         for layout in layouts:
             layout.place(slab, offset)

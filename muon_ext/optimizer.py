@@ -240,9 +240,14 @@ class MuonAdamW(torch.optim.Optimizer):
         group = item.group
         params, masters = self._kernel_params(item, state)
         beta1, beta2 = group["betas"]
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor) and params and lr.device != params[0].device:
+            # Offloaded AdamW of CUDA params runs on the CPU (the planner admitted
+            # the lr for the params' device); the host already waits for its grads.
+            lr = lr.to(params[0].device)
         ops.adamw_step(
             params, item.grads, state["exp_avg"], state["exp_avg_sq"], state["step"],
-            masters=masters, lr=group["lr"], beta1=beta1,
+            masters=masters, lr=lr, beta1=beta1,
             beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], adam_w_mode=group["adam_w_mode"],
             bias_correction=group["bias_correction"], inv_scale=inv_scale, found_inf=found_inf,
         )
@@ -398,6 +403,8 @@ class MuonAdamW(torch.optim.Optimizer):
         if not writers.storage_held(param):
             raise ValueError(f"unregister_param_writer: {info.name}: its storage is released, and without a writer "
                              "the optimizer writes the param itself; restore the storage first")
+        if self._offload is not None:
+            self._offload.drain()  # the last step's copy of the master back to its slab may be in flight
         self._states.clear_writer(info)
         self._planner.invalidate()
 

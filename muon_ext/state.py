@@ -142,7 +142,9 @@ class OptimizerState:
         p, master = info.param, local(master)  # DTensor params: each rank writes its local part
         if info.writer is not None:
             self.tensors[p]["master_param"].copy_(master)
-            run_writer(info, self.tensors[p]["master_param"], None)
+            # The writer reads `master`, on the param's device: with offload="cpu"
+            # the state entry is a view into a CPU slab.
+            run_writer(info, master, None)
         elif info.master == "remainder":
             ops.split_master(master, local(p.data), local(self.tensors[p]["master_param"]))
         else:

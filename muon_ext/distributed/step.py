@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from .. import _C, ops
 from .._shapes import as_matrices, matrix_shape, second_moment_shape
+from ..amp import capturing
 from .._types import ParamInfo, is_dtensor
 from ..schema import SUPPORTED_DTYPES
 from .exchange import exchange_replicated, exchange_sharded
@@ -126,6 +127,9 @@ class DistributedStep:
         dinfos = self._dinfos
         if not dinfos:
             return []
+        if capturing():  # every rank captures, so every rank refuses, before any collective
+            raise RuntimeError("step: DTensor params cannot be stepped inside CUDA graph capture (the step agrees "
+                               "across ranks with a collective and reads its result on the host)")
         error, grads = None, {}
         if not failed:
             try:

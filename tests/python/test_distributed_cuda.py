@@ -14,4 +14,5 @@ pytestmark = pytest.mark.gpu
 def test_nccl_sharded_steps_match_single_gpu(tmp_path, world):
     if torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} GPUs")
-    spawn(tmp_path, world, cases.run_all, [(cases.cuda_sharded_matches_single_process, (world,))], backend="nccl")
+    spawn(tmp_path, world, cases.run_all, [(cases.cuda_sharded_matches_single_process, (world,))], backend="nccl",
+          timeout_s=120)  # inside gpu_check.sh's 240 s test stage, so a hang fails this test, not the stage

@@ -264,6 +264,19 @@ def test_residency_drain_release_restore():
     _assert_same(a, opt)
 
 
+def test_unregister_param_writer_drains_before_reading_the_slab():
+    """Unregistering writes the param from its slab master, which the last
+    step's copy back may still be writing: it drains first."""
+    params, opt = _build("cpu")
+    p = params[0]
+    opt.register_param_writer(p, lambda param, master, stream, found_inf: param.data.copy_(master))
+    _step(params, opt, 0)
+    assert opt.residency == "step_active"
+    opt.unregister_param_writer(p)
+    assert opt.residency == "cpu_resident"
+    assert_bit_equal(p.detach(), opt.state[p]["master_param"].bfloat16(), "param from its master")
+
+
 def test_get_full_parameter_master_drains_and_copies():
     params, opt = _build("cpu")
     _step(params, opt, 0)
@@ -437,3 +450,35 @@ def test_slot_reuse_waits_for_its_d2h(buffer_count):
         assert waited == loaded and d2h_after == event
         d2h_events.append(freed)
     assert streams.log[0] == ("begin",) and streams.log.count(("begin",)) == 2
+
+
+def test_page_locked_slab_is_unregistered_when_its_owner_goes(monkeypatch):
+    """CUDA slabs are registered CPU tensors (torch's pinned blocks are rounded up to
+    a power of two); the registration ends with the owner, while the memory is still
+    held, and a refused registration falls back to torch's pinned allocator."""
+    import gc
+
+    from muon_ext import offload
+
+    calls = []
+    monkeypatch.setattr(offload._C, "register_host_memory", lambda ptr, nbytes: calls.append(("reg", ptr, nbytes)) or True)
+    monkeypatch.setattr(offload._C, "unregister_host_memory", lambda ptr: calls.append(("unreg", ptr)) or True)
+
+    class Owner:
+        pass
+
+    owner = Owner()
+    slab = offload._page_locked_zeros(1000, owner)
+    assert slab.shape == (1000,) and slab.dtype == torch.float32 and not bool(slab.any())
+    assert calls == [("reg", slab.data_ptr(), 4000)]
+    view = slab[10:20]
+    del owner
+    gc.collect()
+    assert calls[-1] == ("unreg", slab.data_ptr())
+    view.fill_(1.0)  # views outliving the owner are still valid (pageable) memory
+
+    pinned = []
+    monkeypatch.setattr(offload._C, "register_host_memory", lambda ptr, nbytes: False)
+    monkeypatch.setattr(offload.torch, "zeros", lambda *a, **k: pinned.append(k.get("pin_memory")) or torch.empty(0))
+    offload._page_locked_zeros(10, Owner())
+    assert pinned == [None, True]

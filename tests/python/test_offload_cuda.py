@@ -12,6 +12,15 @@ from muon_ext import MuonAdamW, OffloadConfig
 pytestmark = pytest.mark.gpu
 
 SHAPES = [(256, 512)] * 3 + [(512, 256), (128, 128)]
+# Slots that hold the three (256, 512) matrices in one chunk: the staged Muon
+# then runs the resident optimizer's cuBLAS batch counts (another batch count
+# may pick another GEMM kernel, and parity is bit for bit).
+PARITY_SLOT_NUMEL = 3 * 256 * 512
+
+
+def _requested_bytes(kind="current"):
+    """Bytes the caching allocator was asked for (not its rounded block sizes)."""
+    return torch.cuda.memory_stats()[f"requested_bytes.all.{kind}"]
 
 
 def _build(offload="cpu", shapes=SHAPES, adamw=True, seed=0, **kwargs):
@@ -45,6 +54,15 @@ def _assert_same(a, b):
         assert_bit_equal(ta[key].cpu(), tb[key].cpu(), key)
 
 
+def _assert_same_trajectory(params_a, a, params_b, b, steps):
+    """Steps the resident `a` and the offloaded `b` alike; then every tensor bit-identical."""
+    for step in range(steps):
+        _step(params_a, a, step)
+        _step(params_b, b, step)
+    b.drain()
+    _assert_same(a, b)
+
+
 def _slow_compute(opt, cycles=50_000_000):
     """Delays every Muon kernel call on the stream it runs on (the compute stream)."""
     muon = opt._muon
@@ -74,14 +92,10 @@ def test_parity_with_resident(buffer_count, slow):
     With a deliberately slow compute and one slot, each chunk's H2D must wait for
     the previous chunk's D2H, or the slot would be overwritten mid-kernel."""
     params_a, a = _build("none")
-    params_b, b = _build(offload_config=OffloadConfig(buffer_count=buffer_count))
+    params_b, b = _build(offload_config=OffloadConfig(buffer_count=buffer_count, slot_numel=PARITY_SLOT_NUMEL))
     if slow:
         _slow_compute(b)
-    for step in range(3):
-        _step(params_a, a, step)
-        _step(params_b, b, step)
-    b.drain()
-    _assert_same(a, b)
+    _assert_same_trajectory(params_a, a, params_b, b, steps=3)
 
 
 def test_peak_memory_does_not_grow_with_matrices():
@@ -96,10 +110,10 @@ def test_peak_memory_does_not_grow_with_matrices():
         opt.drain()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
+        base = _requested_bytes()
         opt.step()
         opt.drain()
-        extra[count] = torch.cuda.max_memory_allocated() - base
+        extra[count] = _requested_bytes("peak") - base
         del params, opt
     assert extra[1] == extra[8]
 
@@ -123,7 +137,7 @@ def test_step_does_not_sync_the_device():
 def test_late_grads_on_another_stream_are_seen():
     """Grads written late on a side stream the caller's stream waits for."""
     params_a, a = _build("none")
-    params_b, b = _build()
+    params_b, b = _build(offload_config=OffloadConfig(slot_numel=PARITY_SLOT_NUMEL))
     _step(params_a, a, 0)
     side = torch.cuda.Stream()
     grads = _grads(params_b, 0)
@@ -157,13 +171,74 @@ def test_release_and_restore_return_memory():
     params, opt = _build()
     _step(params, opt, 0)
     opt.drain()
-    held = torch.cuda.memory_allocated()
+    held = _requested_bytes()
     slot_bytes = sum(slot.buffer.numel() * 4 for slot in opt._offload.slots)
     assert slot_bytes > 0
     opt.release_staging()
     assert opt.residency == "staging_released"
-    assert torch.cuda.memory_allocated() == held - slot_bytes
+    assert _requested_bytes() == held - slot_bytes
     opt.restore_staging()
-    assert torch.cuda.memory_allocated() == held
+    assert _requested_bytes() == held
     _step(params, opt, 1)
     opt.drain()
+
+
+def _copy_writer(seen):
+    """A writer that stores the param as the optimizer would, recording its master's device."""
+    def writer(param, master, stream, found_inf):
+        seen.append(master.device)
+        param.data.copy_(master)
+    return writer
+
+
+def test_writer_gets_the_device_master_outside_step():
+    """update_param and load_state_dict hand a writer the master on the param's
+    device, not the state entry (a view into the CPU slab)."""
+    params, opt = _build(adamw=False)
+    p, seen = params[0], []
+    opt.register_param_writer(p, _copy_writer(seen))
+    _step(params, opt, 0)
+    values = torch.randn(p.shape, device="cuda")
+    opt.update_param(p, values)
+    assert_bit_equal(p.detach().cpu(), values.bfloat16().cpu(), "param written by the writer")
+    state = opt.state_dict()
+    opt.update_param(p, torch.zeros_like(values))
+    opt.load_state_dict(state)
+    assert_bit_equal(opt.get_full_parameter_master(p), values.cpu(), "master after the load")
+    assert seen and all(device == p.device for device in seen), seen
+
+
+def test_adamw_lr_tensor_on_the_device():
+    """A device lr tensor (as a capturable run's checkpoint restores it) also
+    drives the offloaded AdamW, which runs on the CPU."""
+    params_a, a = _build("none")
+    params_b, b = _build(offload_config=OffloadConfig(slot_numel=PARITY_SLOT_NUMEL))
+    for opt in (a, b):
+        for group in opt.param_groups:
+            group["lr"] = torch.tensor([group["lr"]], device="cuda")
+    _assert_same_trajectory(params_a, a, params_b, b, steps=2)
+
+
+def test_quantized_adamw_param_is_refused():
+    """Offloaded AdamW params on CUDA are updated on the CPU: a quantized one
+    could not be written through its quantize_."""
+    from test_quantized_params import QuantizedTensor
+
+    q = torch.nn.Parameter(QuantizedTensor.of(torch.randn(32, device="cuda")))
+    with pytest.raises(ValueError, match="quantized param"):
+        MuonAdamW([{"params": [q], "kind": "adamw", "lr": 0.01}], offload="cpu", adapters=False)
+
+
+def test_unregister_param_writer_right_after_step():
+    """With compute still running, unregistering reads the master only after the drain."""
+    params_a, a = _build("none", adamw=False)
+    params_b, b = _build(adamw=False, offload_config=OffloadConfig(buffer_count=1, slot_numel=PARITY_SLOT_NUMEL))
+    for params, opt in ((params_a, a), (params_b, b)):
+        opt.register_param_writer(params[0], _copy_writer([]))
+    _slow_compute(b)
+    _step(params_a, a, 0)
+    _step(params_b, b, 0)
+    b.unregister_param_writer(params_b[0])
+    a.unregister_param_writer(params_a[0])
+    b.drain()
+    _assert_same(a, b)

@@ -117,14 +117,17 @@ def test_writer_runs_on_the_given_stream():
     torch.cuda.synchronize()
     with torch.cuda.stream(stream):
         torch.cuda._sleep(1 << 30)  # about half a second of work queued on `stream` first
-    writer(None, master, stream, torch.zeros(1, device="cuda"))
+    # The flags stay referenced until `stream` is done with them (a temporary
+    # would go back to the allocator, for the default stream, mid-read).
+    no_skip, skip = torch.zeros(1, device="cuda"), torch.ones(1, device="cuda")
+    writer(None, master, stream, no_skip)
     # Still queued behind the sleep on `stream`: the default stream sees the old buffer.
     assert not bool(q_out.view(torch.uint8).any())
     stream.synchronize()
     assert_bit_equal(q_out.cpu(), reference.quantize_fp8(master.cpu())[0])
     before = snapshot([q_out.cpu(), scale_inv_out.cpu()])
     master.mul_(2)
-    writer(None, master, stream, torch.ones(1, device="cuda"))
+    writer(None, master, stream, skip)
     torch.cuda.synchronize()
     after = [q_out.cpu(), scale_inv_out.cpu()]
     assert_unchanged(after, before)
