@@ -160,12 +160,21 @@ const char* check_state(const at::Tensor& p, Py_ssize_t i, PyObject* dict, const
   return nullptr;
 }
 
+// The index under which check_bucket records state tensor `rule` of param `i`
+// in `ranges`: negative, so params keep their own index (muon_ext/buckets.py,
+// overlap_entry, decodes it).
+int64_t state_range_index(Py_ssize_t i, size_t rule, size_t rules) {
+  return -1 - (static_cast<int64_t>(i) * static_cast<int64_t>(rules) + static_cast<int64_t>(rule));
+}
+
 // The optimizer's check of one bucket: params of one dtype and device (and,
 // for Muon, one matrix shape `rows` x `cols` under `matrix_view`; rows = 0
 // for AdamW), their state in the mapping `state` under `rules` ((key, dtype or
 // None, StateShape, required) tuples), and, when `grad_attr` is a name, their
 // grads.  Params are recorded in `ranges` (when given) as (`bucket`, index),
-// for the caller's overlap check across buckets.
+// and the state tensors of rules with a dtype as (`bucket`,
+// state_range_index(index, rule, number of rules)), for the caller's overlap
+// check across buckets.
 //
 // Returns (index of the first bad param or -1, problem code, state key, other
 // index, whether every grad is present, contiguous and of one dtype, the grads,
@@ -242,6 +251,14 @@ py::tuple check_bucket(const py::list& params, const py::object& grad_attr, cons
             check_state(p, i, entry ? entry.ptr() : nullptr, rules, view, rows, cols, lists, incomplete, &rule)) {
       fail(i, what, rule);
       break;
+    }
+    if (ranges != nullptr) {
+      // The state tensors the kernels write, so that two params sharing a
+      // moment, in one bucket or across buckets, are found before any write.
+      for (size_t r = 0; r < rules.size(); ++r) {
+        PyObject* entry_r = rules[r].dtype.has_value() ? PyList_GET_ITEM(lists[r].ptr(), i) : Py_None;
+        if (entry_r != Py_None) ranges->add(THPVariable_Unpack(entry_r), bucket, state_range_index(i, r, rules.size()));
+      }
     }
     for (size_t r = 0; r < rules.size(); ++r) {
       if (rules[r].shape != StateShape::kScalar || !rules[r].dtype.has_value()) continue;

@@ -156,15 +156,24 @@ at::Device params(const char* op, const TensorList& params, const char* name) {
                       "[0] is on ", device);
     TORCH_CHECK_VALUE(p.is_contiguous(), op, ": ", where(name, i), " must be contiguous");
     if (!storage_holds(p)) storage(op, p, where(name, i));  // the name is built only for the message
-    ranges.add(p, 0, static_cast<int64_t>(i));
-  }
-  std::pair<int64_t, int64_t> first, second;
-  if (ranges.first_overlap(&first, &second)) {
-    const auto [low, high] = std::minmax(first.second, second.second);
-    TORCH_CHECK_VALUE(false, op, ": ", where(name, high), " shares its storage with ", where(name, low),
-                      " (their memory overlaps)");
   }
   return device;
+}
+
+void disjoint(const char* op, std::initializer_list<std::pair<const char*, TensorList>> lists) {
+  MemoryRanges ranges;
+  int64_t list_index = 0;
+  for (const auto& [name, list] : lists) {
+    for (size_t i = 0; i < list.size(); ++i) ranges.add(list[i], list_index, static_cast<int64_t>(i));
+    ++list_index;
+  }
+  std::pair<int64_t, int64_t> first, second;
+  if (!ranges.first_overlap(&first, &second)) return;
+  // Name the later entry (list order, then index) as the one sharing the earlier one's storage.
+  if (second < first) std::swap(first, second);
+  const auto name_of = [&](int64_t index) { return (lists.begin() + index)->first; };
+  TORCH_CHECK_VALUE(false, op, ": ", where(name_of(second.first), second.second), " shares its storage with ",
+                    where(name_of(first.first), first.second), " (their memory overlaps)");
 }
 
 void companion(const char* op, const at::Tensor& t, const at::Tensor& like, const char* list, size_t index,

@@ -55,9 +55,14 @@ void storage(const char* op, const at::Tensor& t, const std::string& name);
 void device(const char* op, const at::Device& device, const char* name);
 
 // The main list of one call (`name`, usually params): defined, one supported
-// float dtype, one device, contiguous, storage holding the elements, no two
-// overlapping in memory.  Returns the common device.
+// float dtype, one device, contiguous, storage holding the elements.  Returns
+// the common device.  Overlap is `disjoint`'s check, over every written list.
 at::Device params(const char* op, const TensorList& params, const char* name = "params");
+
+// The lists a call writes, as (name, list): no two of their tensors, in one
+// list or across lists, share a byte (a kernel would write it twice).  The
+// error names both entries.  Lists already checked entry by entry.
+void disjoint(const char* op, std::initializer_list<std::pair<const char*, TensorList>> lists);
 
 // A per-element or per-param companion of base[i] (a list named `base`):
 // defined, of dtype `dtype`, on base[i]'s device, of shape `sizes`, contiguous,

@@ -96,6 +96,8 @@ MasterKind check_adamw_args(const TensorList& params, const TensorList& grads, c
     checks::scalar_tensor(kAdamW, steps[i], where("steps", i).c_str(), device);
   }
   checks::distinct(kAdamW, steps, "steps");
+  checks::disjoint(kAdamW, {{"params", params}, {"exp_avgs", exp_avgs}, {"exp_avg_sqs", exp_avg_sqs},
+                            {"masters", masters}, {"steps", steps}});
   checks::scalar_tensor(kAdamW, lr_tensor, "lr", device);
   checks::scalar_tensor(kAdamW, inv_scale, "inv_scale", device);
   checks::scalar_tensor(kAdamW, found_inf, "found_inf", device);
@@ -289,6 +291,8 @@ void check_muon_bucket(MuonBucket& bucket, const MuonStepOptions& options) {
     checks::companion(kMuon, bucket.momentum_buffers[i], p, "momentum_buffers", i, at::kFloat, p.sizes());
     if (!bucket.masters.empty()) checks::companion(kMuon, bucket.masters[i], p, "masters", i, master_dtype, p.sizes());
   }
+  checks::disjoint(kMuon, {{"params", params}, {"momentum_buffers", bucket.momentum_buffers},
+                           {"second_momentum_buffers", bucket.second_momentum_buffers}, {"masters", bucket.masters}});
   checks::scalar_tensor(kMuon, options.lr_tensor, "lr", device);
   checks::scalar_tensor(kMuon, options.inv_scale, "inv_scale", device);
   checks::scalar_tensor(kMuon, options.found_inf, "found_inf", device);
@@ -388,6 +392,7 @@ void muon_momentum_op(at::TensorList grads, at::TensorList momentum_buffers, at:
     TORCH_CHECK_VALUE(u.is_meta() || u.numel() == 0 || args.momentum_buffers[i].data_ptr() != u.data_ptr(), kMomentum,
                       ": momentum_buffers[", i, "] and updates[", i, "] are the same tensor");
   }
+  checks::disjoint(kMomentum, {{"updates", args.updates}, {"momentum_buffers", args.momentum_buffers}});
   checks::scalar_tensor(kMomentum, inv_scale, "inv_scale", device);
   checks::scalar_tensor(kMomentum, found_inf, "found_inf", device);
 
@@ -432,6 +437,8 @@ void muon_orthogonalize_op(at::TensorList updates, at::TensorList second_momentu
   std::tie(args.rows, args.cols) = check_matrix_shapes(kOrthogonalize, args.updates, "updates");
   check_second_moments(kOrthogonalize, args.second_momentum_buffers, args.updates, "updates", args.normuon, args.rows,
                        args.cols);
+  checks::disjoint(kOrthogonalize,
+                   {{"updates", args.updates}, {"second_momentum_buffers", args.second_momentum_buffers}});
   checks::scalar_tensor(kOrthogonalize, found_inf, "found_inf", device);
 
   switch (backend_of(args.updates)) {
@@ -478,6 +485,7 @@ void muon_apply_op(at::TensorList params, at::TensorList updates, at::TensorList
     checks::companion(kApply, args.updates[i], p, "updates", i, at::kFloat, p.sizes());
     if (!args.masters.empty()) checks::companion(kApply, args.masters[i], p, "masters", i, master_dtype, p.sizes());
   }
+  checks::disjoint(kApply, {{"params", args.params}, {"masters", args.masters}});
   checks::scalar_tensor(kApply, lr_tensor, "lr", device);
   checks::scalar_tensor(kApply, found_inf, "found_inf", device);
 

@@ -48,6 +48,15 @@ class _Spec(NamedTuple):
     cols: int
 
 
+def overlap_entry(params: List[torch.Tensor], rules: Tuple, index: int, infos: Mapping[int, ParamInfo]) -> str:
+    """Names an entry of `_C.check_bucket`'s memory ranges: param `index` of a
+    bucket, or (a negative index) one of its state tensors under `rules`."""
+    if index >= 0:
+        return infos[id(params[index])].name
+    position, rule = divmod(-1 - index, len(rules))
+    return f"optimizer state '{rules[rule][0]}' of {infos[id(params[position])].name}"
+
+
 class StepPlanner:
     """Turns the groups and grads of a step into work items, one kernel call
     each. Buckets are made once and kept until `invalidate` (groups added or
@@ -106,16 +115,18 @@ class StepPlanner:
                 raise ValueError(f"{info.name} had no elements when the optimizer was built and has shape "
                                  f"{tuple(info.param.shape)} now; build the optimizer after resizing params")
         ranges = _C.MemoryRanges()
-        checked = []
+        checked, bucket_rules = [], []
         for b, (bucket, spec) in enumerate(zip(buckets, self._specs)):
             group = groups[bucket.group]
             view = group.get("matrix_view", "")
             if not bucket.writes_params:
                 for p in bucket.params:
                     check_released(infos[id(p)], "")
+            rules = _step_rules(bucket, group, infos) if self.state_rules else ()
+            bucket_rules.append(rules)
             bad, problem, key, other, uniform, grads, state = _C.check_bucket(
                 bucket.params, grad_attr, tensors, dtype=spec.dtype, device=spec.device,
-                rules=_step_rules(bucket, group, infos) if self.state_rules else (), rows=spec.rows, cols=spec.cols,
+                rules=rules, rows=spec.rows, cols=spec.cols,
                 matrix_view=view, ranges=ranges, bucket=b, param_data=bucket.writes_params)
             if bad >= 0:
                 other_info = infos[id(bucket.params[other])] if other >= 0 else None
@@ -124,9 +135,10 @@ class StepPlanner:
         overlap = ranges.first_overlap()
         if overlap is not None:
             (b0, i0), (b1, i1) = overlap
-            first, second = infos[id(buckets[b0].params[i0])], infos[id(buckets[b1].params[i1])]
-            raise ValueError(f"{second.name} shares memory with {first.name}; every param needs storage of its "
-                             "own (to tie weights, put one Parameter in one group)")
+            first = overlap_entry(buckets[b0].params, bucket_rules[b0], i0, infos)
+            second = overlap_entry(buckets[b1].params, bucket_rules[b1], i1, infos)
+            raise ValueError(f"{second} shares memory with {first}; every param needs storage and optimizer state "
+                             "of its own (to tie weights, put one Parameter in one group)")
         return [planned for entry in checked for planned in _work_items(*entry)]
 
     def check_params(self, infos: Iterable[ParamInfo], groups: List[dict], tensors: Mapping, *, all_state: bool,

@@ -137,10 +137,11 @@ class DistributedStep:
                 self.check(planner, dinfos, groups, tensors, all_state=True, reading=False, ranges=ranges)
                 overlap = ranges.first_overlap()
                 if overlap is not None:  # each would be stepped, and written, twice
-                    (first, _), (second, _) = overlap
-                    raise ValueError(f"{dinfos[second].name} shares memory with {dinfos[first].name} on this rank; "
-                                     "every param needs storage of its own (to tie weights, put one Parameter in "
-                                     "one group)")
+                    (first, i0), (second, i1) = overlap
+                    what = lambda tag, index: ("the optimizer state of " if index < 0 else "") + dinfos[tag].name  # noqa: E731
+                    raise ValueError(f"{what(second, i1)} shares memory with {what(first, i0)} on this rank; every "
+                                     "param needs storage and optimizer state of its own (to tie weights, put one "
+                                     "Parameter in one group)")
                 for info in dinfos:
                     grads[id(info.param)] = self._grad(info, grad_attr)
             except Exception as exc:  # raised after the agreement, so every rank refuses the step

@@ -138,6 +138,20 @@ def _late_failures():
         "step counter shared": (
             _set_state("b", "step", lambda t, opt, w, a, b: opt.state[a]["step"]), {}, ValueError,
             ["'b': optimizer state 'step' is the same tensor as that of param group 1 (adamw), param 0 'a'"]),
+        "moment shared by two params of one bucket": (
+            _set_state("b", "exp_avg", lambda t, opt, w, a, b: opt.state[a]["exp_avg"]), {}, ValueError,
+            ["optimizer state 'exp_avg' of param group 1 (adamw), param 1 'b' shares memory with optimizer state "
+             "'exp_avg' of param group 1 (adamw), param 0 'a'"]),
+        "moment overlapping another bucket's moment": (
+            _set_state("a", "exp_avg_sq", lambda t, opt, w, a, b: opt.state[w]["momentum_buffer"].view(-1)[8:48]
+                       .view(10, 4)), {}, ValueError,
+            ["optimizer state 'exp_avg_sq' of param group 1 (adamw), param 0 'a' shares memory with optimizer state "
+             "'momentum_buffer' of param group 0 (muon), param 0 'w'"]),
+        "remainders in another param's memory": (
+            _set_state("b", "master_param", lambda t, opt, w, a, b: a.data.view(torch.int16)),
+            dict(dtype=torch.bfloat16), ValueError,
+            ["optimizer state 'master_param' of param group 1 (adamw), param 1 'b' shares memory with param group 1 "
+             "(adamw), param 0 'a'"]),
         "step counter of two elements": (
             _set_state("b", "step", lambda t, *_: torch.zeros(2)), {}, ValueError,
             ["'b': optimizer state 'step' has shape (2,)"]),
