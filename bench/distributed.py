@@ -118,7 +118,14 @@ def main():
     args = parser.parse_args()
     results = {"environment": environment(torch.device(args.device)), "shapes": SHAPES, "runs": {}}
     tmp = args.out + ".part"
-    for world in (int(w) for w in args.worlds.split(",")):
+    worlds = [int(w) for w in args.worlds.split(",")]
+    if args.device == "cuda":  # NCCL: one GPU per rank
+        skipped = [w for w in worlds if w > torch.cuda.device_count()]
+        if skipped:
+            print(f"skipping W={skipped}: {torch.cuda.device_count()} GPU(s) here", flush=True)
+            results["skipped_worlds"] = skipped
+        worlds = [w for w in worlds if w <= torch.cuda.device_count()]
+    for world in worlds:
         mp.spawn(_worker, args=(world, 29600 + world, args.device, tmp), nprocs=world)
         ranks = torch.load(tmp)
         os.remove(tmp)

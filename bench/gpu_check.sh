@@ -12,6 +12,15 @@
 # in one call and `muon step offload` in a second (the in-place build is kept).
 # RESULTS_DIR receives: stages.json (rc and seconds per stage), log.txt (all
 # output), gpu_tests.json (per-test outcomes) and one JSON file per benchmark.
+#
+# Device time is scarce: the whole run stops starting stages once BUDGET_S
+# seconds (default 570, under one 600 s device call) have passed, and a stage's
+# limit is cut to what is left. A fresh machine (a call more than ~30 s after
+# the last) has lost the in-place build: it is rebuilt first whatever the
+# STAGEs. The seed peer reaches the machine only from inside the checkout:
+# before the call, `mkdir -p shared/peers && cp ../shared/peers/hydra_muonadamw.py
+# shared/peers/` (/shared/ is git-ignored). A suggested split of one lease:
+#   call 1: build tests adamw quantize      call 2: muon step offload [sanitize]
 set -uo pipefail
 
 OUT=${1:?usage: bench/gpu_check.sh RESULTS_DIR [build|tests|adamw|muon|step|offload|quantize|sanitize ...]}
@@ -21,7 +30,13 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 cd "$(dirname "$0")/.."
 
-export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
+if [ -z "${CUDA_HOME:-}" ]; then
+  NVCC=$(command -v nvcc || true)
+  CUDA_HOME=$([ -n "$NVCC" ] && dirname "$(dirname "$NVCC")" || echo /usr/local/cuda)
+fi
+export CUDA_HOME
+export PYTHONUNBUFFERED=1  # a stage killed at its limit still leaves its output in the log
+END=$(( $(date +%s) + ${BUDGET_S:-570} ))
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
 export MAX_JOBS=${MAX_JOBS:-16}
 PY=${PYTHON:-python3}
@@ -29,11 +44,18 @@ LOG="$OUT/log.txt"
 STAGES="$OUT/stages.json"
 [ -f "$STAGES" ] || echo "[]" > "$STAGES"
 
-# stage NAME SECONDS COMMAND...: run, log, and record rc / duration.
+# stage NAME SECONDS COMMAND...: run, log, and record rc / duration; skipped
+# (rc 125) when the budget is spent, its limit cut to what is left.
 stage() {
-  local name=$1 limit=$2 start rc
+  local name=$1 limit=$2 start rc left
   shift 2
   start=$(date +%s)
+  left=$(( END - start ))
+  if (( left < 30 )); then
+    echo "===== $name skipped: the ${BUDGET_S:-570} s budget is spent" >> "$LOG"
+    return 125
+  fi
+  (( limit > left )) && limit=$left
   echo "===== $name (limit ${limit}s): $*" >> "$LOG"
   timeout --kill-after=10 "$limit" "$@" >> "$LOG" 2>&1
   rc=$?
@@ -50,12 +72,22 @@ PYEOF
 wants() { [[ " $STAGES_WANTED " == *" $1 "* ]]; }
 
 nvidia-smi >> "$LOG" 2>&1
+if ! wants build && ! "$PY" -c 'import muon_ext, sys; sys.exit(not muon_ext._C.with_cuda)' >> "$LOG" 2>&1; then
+  echo "===== no CUDA build of muon_ext here (a fresh machine?): building first" >> "$LOG"
+  STAGES_WANTED="build $STAGES_WANTED"
+fi
 if wants build; then
   stage build 300 "$PY" -m pip install --no-build-isolation --no-deps -v -e . || exit 1
+  # setup.py builds CPU-only when it finds no nvcc: every GPU stage would then fail obscurely.
+  "$PY" -c 'import muon_ext, sys; sys.exit(not muon_ext._C.with_cuda)' >> "$LOG" 2>&1 \
+    || { echo "===== the build has no CUDA kernels (CUDA_HOME=$CUDA_HOME)" >> "$LOG"; exit 1; }
 fi
 if wants tests; then
-  stage gpu_tests 240 "$PY" -m pytest tests/python -m gpu -q -rA -p no:cacheprovider \
-    --junitxml="$OUT/gpu_tests.xml"
+  # pytest-timeout, where installed, fails a hanging test instead of losing the whole stage.
+  TIMEOUT_ARGS=()
+  "$PY" -c 'import pytest_timeout' 2>/dev/null && TIMEOUT_ARGS=(--timeout=120)
+  stage gpu_tests 240 "$PY" -m pytest tests/python -m gpu -q -rA -p no:cacheprovider --durations=15 \
+    ${TIMEOUT_ARGS[@]+"${TIMEOUT_ARGS[@]}"} --junitxml="$OUT/gpu_tests.xml"
   "$PY" - "$OUT/gpu_tests.xml" "$OUT/gpu_tests.json" <<'PYEOF'
 import json, sys, xml.etree.ElementTree as ET
 try:
@@ -79,7 +111,7 @@ PYEOF
 fi
 wants adamw && stage bench_adamw 90 "$PY" bench/adamw.py --device cuda --out "$OUT/adamw.json"
 wants muon && stage bench_muon 200 "$PY" bench/muon.py --device cuda --out "$OUT/muon.json"
-wants step && stage bench_step 240 "$PY" bench/step.py --device cuda --out "$OUT/step.json"
+wants step && stage bench_step 300 "$PY" bench/step.py --device cuda --out "$OUT/step.json"
 wants offload && stage bench_offload 240 "$PY" bench/offload.py --device cuda --out "$OUT/offload.json"
 wants quantize && stage bench_quantize 120 "$PY" bench/quantize.py --device cuda --out "$OUT/quantize.json"
 if wants sanitize; then

@@ -116,21 +116,39 @@ def main():
                "notes": [] if load_seed(False) is not None else ["../shared absent: seed peer skipped"]}
     if device.type == "cuda":
         results["bf16_bmm_flops_per_s"] = gemm_rate(device)
+    errors = results.setdefault("errors", {})
+
+    def guarded(key, run):
+        """A contender's seconds, or None (its error recorded and printed) where it fails."""
+        try:
+            return run()
+        except Exception as exc:
+            errors[key] = f"{type(exc).__name__}: {exc}"
+            print(f"  {key}: {errors[key]}", flush=True)
+            return None
+
     for name, shapes in stacks(device).items():
-        seconds = {"ours_fp32": bench_ours(shapes, device, "fp32"),
-                   "ours_bf16_remainder": bench_ours(shapes, device, "bf16_remainder"),
-                   "seed_eager": bench_seed(shapes, device, compiled=False),
-                   "seed_compiled": bench_seed(shapes, device, compiled=True) if compile_seed else None,
-                   "torch_muon": bench_torch_muon(shapes, device)}
+        seconds = {"ours_fp32": guarded(f"{name}/ours_fp32", lambda: bench_ours(shapes, device, "fp32")),
+                   "ours_bf16_remainder": guarded(f"{name}/ours_bf16_remainder",
+                                                  lambda: bench_ours(shapes, device, "bf16_remainder")),
+                   "seed_eager": guarded(f"{name}/seed_eager", lambda: bench_seed(shapes, device, compiled=False)),
+                   "seed_compiled": guarded(f"{name}/seed_compiled",
+                                            lambda: bench_seed(shapes, device, compiled=True)) if compile_seed else None,
+                   "torch_muon": guarded(f"{name}/torch_muon", lambda: bench_torch_muon(shapes, device))}
         # Block-triangular X X^T and A A (polar_row_blocks): plain GEMMs on the CPU
         # for comparison with its default, block counts to choose from on GPU.
         for blocks in ((2, 4, 8) if device.type == "cuda" else (1,)):
-            seconds[f"ours_bf16_remainder_row_blocks_{blocks}"] = bench_ours(shapes, device, "bf16_remainder", blocks)
+            key = f"ours_bf16_remainder_row_blocks_{blocks}"
+            seconds[key] = guarded(f"{name}/{key}", lambda: bench_ours(shapes, device, "bf16_remainder", blocks))
+        if seconds["ours_fp32"] is None or seconds["ours_bf16_remainder"] is None:
+            results["cases"].append({"stack": name, "matrices": len(shapes), "seconds": seconds})
+            write_json(args.out, results)
+            continue
         case = {"stack": name, "matrices": len(shapes), "seconds": seconds,
                 "speedup": {f"ours_fp32_vs_{k}": v / seconds["ours_fp32"]
                             for k, v in seconds.items() if v is not None and not k.startswith("ours")}}
         case["speedup"].update({f"ours_bf16_remainder_vs_{k}": v / seconds["ours_bf16_remainder"]
-                                for k, v in seconds.items() if "row_blocks" in k})
+                                for k, v in seconds.items() if "row_blocks" in k and v is not None})
         flops = polar_express_flops(shapes)
         case["polar_express_flops_per_s"] = {k: flops / v for k, v in seconds.items() if v is not None}
         achieved = flops / seconds["ours_bf16_remainder"]
@@ -142,6 +160,7 @@ def main():
             rates = results["environment"].get("gemm_flops_per_s", {})
             case["fraction_of_gemm_rate"] = {dtype: achieved / rate for dtype, rate in rates.items() if rate}
         results["cases"].append(case)
+        write_json(args.out, results)  # after every stack: a stage cut short still reports what it measured
     write_json(args.out, results)
 
 
