@@ -120,6 +120,15 @@ def optimizer_tensors(opt):
     return out
 
 
+def assert_same_optimizer_tensors(opt_a, opt_b):
+    """Every param and state tensor of two optimizers over the same model
+    bit-identical (compared on the CPU, so the two may live on different devices)."""
+    a, b = optimizer_tensors(opt_a), optimizer_tensors(opt_b)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert_bit_equal(a[key].cpu(), b[key].cpu(), key)
+
+
 def optimizer_snapshot(opt):
     return {k: bits(v).clone() for k, v in optimizer_tensors(opt).items()}
 

@@ -8,7 +8,7 @@ import io
 import pytest
 import torch
 
-from helpers import assert_bit_equal, assert_optimizer_unchanged, optimizer_snapshot, optimizer_tensors
+from helpers import assert_bit_equal, assert_optimizer_unchanged, assert_same_optimizer_tensors, optimizer_snapshot
 from muon_ext import MuonAdamW, ops
 
 # name: (param dtype, optimizer kwargs)
@@ -58,10 +58,7 @@ def _train(model, opt, steps):
 
 
 def _assert_same_optimizer(a, b):
-    ta, tb = optimizer_tensors(a), optimizer_tensors(b)
-    assert ta.keys() == tb.keys()
-    for key in ta:
-        assert_bit_equal(ta[key], tb[key], key)
+    assert_same_optimizer_tensors(a, b)
     strip = lambda g: {k: v for k, v in g.items() if k != "params"}  # noqa: E731
     assert [strip(g) for g in a.param_groups] == [strip(g) for g in b.param_groups]
 

@@ -10,7 +10,8 @@ import pickle
 import pytest
 import torch
 
-from helpers import assert_bit_equal, assert_optimizer_unchanged, optimizer_snapshot, optimizer_tensors
+from helpers import (assert_bit_equal, assert_optimizer_unchanged, assert_same_optimizer_tensors, optimizer_snapshot,
+                     optimizer_tensors)
 from muon_ext import MuonAdamW, OffloadConfig
 
 MUON_SHAPES = [(16, 32), (16, 32), (32, 16), (8, 8), (16, 32), (2, 8, 6)]  # the last: matrix_view="flatten"
@@ -39,12 +40,7 @@ def _step(params, opt, step, skip=()):
     opt.step()
 
 
-def _assert_same(opt_a, opt_b):
-    """Every param and state tensor of two optimizers over the same model bit-identical."""
-    a, b = optimizer_tensors(opt_a), optimizer_tensors(opt_b)
-    assert a.keys() == b.keys()
-    for key in a:
-        assert_bit_equal(a[key], b[key], key)
+_assert_same = assert_same_optimizer_tensors
 
 
 # ---------------------------------------------------------------------------

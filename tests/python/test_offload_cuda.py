@@ -6,7 +6,7 @@ The CPU twin of the state machine: test_offload.py."""
 import pytest
 import torch
 
-from helpers import assert_bit_equal, optimizer_tensors
+from helpers import assert_bit_equal, assert_same_optimizer_tensors
 from muon_ext import MuonAdamW, OffloadConfig
 
 pytestmark = pytest.mark.gpu
@@ -47,11 +47,7 @@ def _step(params, opt, step):
     opt.step()
 
 
-def _assert_same(a, b):
-    ta, tb = optimizer_tensors(a), optimizer_tensors(b)
-    assert ta.keys() == tb.keys()
-    for key in ta:
-        assert_bit_equal(ta[key].cpu(), tb[key].cpu(), key)
+_assert_same = assert_same_optimizer_tensors
 
 
 def _assert_same_trajectory(params_a, a, params_b, b, steps):
