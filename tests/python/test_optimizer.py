@@ -7,10 +7,10 @@ import pickle
 import pytest
 import torch
 
-from helpers import assert_bit_equal, assert_optimizer_unchanged, bits, optimizer_snapshot, optimizer_tensors
+from support.helpers import assert_bit_equal, assert_optimizer_unchanged, bits, optimizer_snapshot, optimizer_tensors
 from muon_ext import MuonAdamW, ops, reference
-from optimizer_helpers import MuonTwin, adamw_hyper, as_params, bf16_values, grad_seq, muon_hyper, set_grads
-from muon_helpers import stat_shape
+from support.optimizer_helpers import MuonTwin, adamw_hyper, as_params, bf16_values, grad_seq, muon_hyper, set_grads
+from support.muon_helpers import stat_shape
 
 POLAR_EXPRESS = reference.POLAR_EXPRESS_COEFFICIENTS
 
