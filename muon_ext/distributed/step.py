@@ -320,7 +320,7 @@ def _work(infos: List[ParamInfo], grads: Dict, groups: List[dict]):
     muon: Dict[Tuple, List[_Entry]] = {}
     for info in infos:
         g = grads.get(id(info.param))
-        if g is None:
+        if g is None or info.param.numel() == 0:  # zero-size (globally, so on every rank): nothing to update
             continue
         entry = _Entry(info, local(info.param), g)
         if info.kind == "adamw":
