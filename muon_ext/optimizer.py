@@ -24,6 +24,7 @@ from ._types import ParamInfo, WorkItem, is_dtensor
 from .amp import GradScalerInputs, capturing, device_lr
 from .buckets import StepPlanner
 from .offload import StagedState, check_offload
+from .distributed import agreement
 from .distributed.placements import holds_full, local
 from .distributed.step import DistributedStep, agree_on_checks, dtensor_infos
 from .state import OptimizerState, check_master_values, master_mode
@@ -134,17 +135,30 @@ class MuonAdamW(torch.optim.Optimizer):
             if self._offload is not None:
                 self._offload.tensors = self.state
         index = len(self.param_groups)
-        group, names = schema.new_group(index, param_group)
-        schema.check_group(index, group, names, self._states.infos)
-        if self._offload is not None:
-            self._offload.check_group(index, group, names)
-        params = group["params"]
-        if self.capturable:
-            devices = {p.device for p in params}
-            if len(devices) > 1:
-                raise ValueError(f"param group {index}: with capturable=True a group's params must share one device "
-                                 f"(its lr tensor lives there), got {sorted(map(str, devices))}")
-            group["lr"] = device_lr(group["lr"], params[0].device if params else torch.device("cpu"))
+
+        def checks():
+            group, names = schema.new_group(index, param_group)
+            schema.check_group(index, group, names, self._states.infos)
+            if self._offload is not None:
+                self._offload.check_group(index, group, names)
+            params = group["params"]
+            if self.capturable:
+                devices = {p.device for p in params}
+                if len(devices) > 1:
+                    raise ValueError(f"param group {index}: with capturable=True a group's params must share one "
+                                     f"device (its lr tensor lives there), got {sorted(map(str, devices))}")
+                group["lr"] = device_lr(group["lr"], params[0].device if params else torch.device("cpu"))
+            return group, names
+
+        given = param_group.get("params") if isinstance(param_group, dict) else None
+        given = [given] if isinstance(given, torch.Tensor) else given if isinstance(given, (list, tuple)) else []
+        meshes = agreement.meshes_of(given)
+        if meshes:  # DTensor params: every rank must add the same group (docs/design.md, "Every call ...")
+            group, names = agreement.agree(f"add_param_group (param group {index})", meshes,
+                                           agreement.device_of(given), checks, lambda checked: [checked[0]], 1,
+                                           first_group=index)
+        else:
+            group, names = checks()
         self.param_groups.append(group)
         infos = self._states.register(index, group, names)
         if self._offload is not None:
@@ -180,7 +194,8 @@ class MuonAdamW(torch.optim.Optimizer):
             finally:  # DTensor params: every rank joins the agreement, also one whose planning just failed
                 failed = sys.exc_info()[0] is not None
                 dwork = self._distributed.plan(self._planner, self.param_groups, self._states.infos,
-                                               self._states.tensors, self.grad_attr, failed=failed)
+                                               self._states.tensors, self.grad_attr, failed=failed,
+                                               scaler=hasattr(self, "found_inf"))
         except Exception:
             # GradScaler deletes these only after a step returns: drop them so
             # that a later step does not unscale with this step's scale.
@@ -501,9 +516,20 @@ class MuonAdamW(torch.optim.Optimizer):
             if result is not None:
                 state_dict = result
         self._states.begin_call()
-        # Loading writes every param and state tensor: none may be written out of bounds.
-        self._check_params(self._states.infos.values(), all_state=True, reading=False)
-        checkpoint.load_state_dict(self.param_groups, self._states, state_dict, capturable=self.capturable)
+
+        def checks():
+            # Loading writes every param and state tensor: none may be written out of bounds.
+            self._check_params(self._states.infos.values(), all_state=True, reading=False)
+            return checkpoint.check_state_dict(self.param_groups, self._states, state_dict)
+
+        params = [info.param for info in self._states.infos.values()]
+        meshes = agreement.meshes_of(params)
+        if meshes:  # every rank loads, or none (and with the same settings)
+            checked = agreement.agree("load_state_dict", meshes, agreement.device_of(params), checks,
+                                      lambda checked: checked.merged_groups, len(self.param_groups))
+        else:
+            checked = checks()
+        checkpoint.apply_state_dict(self.param_groups, self._states, checked, capturable=self.capturable)
         if self._offload is not None:
             self._offload.adopt(self.param_groups)  # entries the load created go into the slabs
         self._planner.invalidate()

@@ -25,6 +25,7 @@ from .._shapes import as_matrices, matrix_shape, second_moment_shape
 from ..amp import capturing
 from .._types import ParamInfo, is_dtensor
 from ..schema import SUPPORTED_DTYPES
+from .agreement import step_digest
 from .exchange import exchange_replicated, exchange_sharded
 from .placements import Layout, layout_of, local
 from .state import expected_rows, stats_follow_rows
@@ -118,7 +119,7 @@ class DistributedStep:
     # -- plan -------------------------------------------------------------
 
     def plan(self, planner, groups: List[dict], infos: Mapping[int, ParamInfo], tensors: Mapping, grad_attr: str,
-             failed: bool):
+             failed: bool, scaler: bool = False):
         """The DTensor params' work, or None where this rank's plain planning
         `failed` (its error is then raised by the caller). Collective when
         there are DTensor params: every rank must call it at every step."""
@@ -147,21 +148,27 @@ class DistributedStep:
             except Exception as exc:  # raised after the agreement, so every rank refuses the step
                 error = exc
         refused = failed or error is not None
-        self._agree(dinfos, grads, refused, grad_attr)
+        self._agree(dinfos, grads, refused, grad_attr, groups, scaler)
         if error is not None:
             raise error
         if failed:
             return None
         return _work(dinfos, grads, groups)
 
-    def _agree(self, infos: List[ParamInfo], grads: Dict, refused: bool, grad_attr: str) -> None:
+    def _agree(self, infos: List[ParamInfo], grads: Dict, refused: bool, grad_attr: str, groups: List[dict],
+               scaler: bool) -> None:
         by_mesh: Dict[object, List[ParamInfo]] = {}
         for info in infos:
             by_mesh.setdefault(info.param.device_mesh, []).append(info)
         for mesh, members in by_mesh.items():
             device = local(members[0].param).device
-            bits = torch.tensor([int(refused)] + [int(grads.get(id(i.param)) is not None) for i in members],
-                                dtype=torch.int32, device=device)
+            # The settings of the mesh's groups and the GradScaler's presence, checked equal on every rank
+            # without another collective (agreement.step_digest); settings edited on one rank only would
+            # otherwise post mismatched exchanges.
+            digest = step_digest(groups, sorted({i.group for i in members}), scaler)
+            bits = torch.tensor([int(refused), int(scaler), digest, digest * digest]
+                                + [int(grads.get(id(i.param)) is not None) for i in members],
+                                dtype=torch.int64, device=device)
             _all_reduce_over(mesh, bits)
             counts = bits.tolist()
             if counts[0]:
@@ -169,6 +176,14 @@ class DistributedStep:
                     return  # this rank raises its own error
                 raise RuntimeError("MuonAdamW.step: the step was refused on another rank (see its error); nothing "
                                    "was written on any rank")
+            if 0 < counts[1] < mesh.size():
+                raise ValueError(f"MuonAdamW.step: a GradScaler drives this step on {counts[1]} of {mesh.size()} "
+                                 "ranks; use one on every rank or on none; nothing was written on any rank")
+            if mesh.size() * counts[3] != counts[2] * counts[2]:
+                raise ValueError("MuonAdamW.step: the group settings of the DTensor params differ across ranks "
+                                 "(edited on some ranks only?); their exchanges would not match; nothing was "
+                                 "written on any rank")
+            counts = counts[:1] + counts[4:]
             for info, count in zip(members, counts[1:]):
                 if 0 < count < mesh.size():
                     raise ValueError(f"MuonAdamW.step: {info.name} has a {grad_attr} on {count} of {mesh.size()} "
