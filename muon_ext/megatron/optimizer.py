@@ -23,7 +23,8 @@ from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
 
-from .. import MuonAdamW
+from .. import MuonAdamW, ops
+from ..distributed.tp_polar import polar_express_sharded
 from . import config as cfg
 from .params import MegatronParam, TensorParallelView
 
@@ -47,6 +48,7 @@ class MegatronMuonAdamW(MegatronOptimizer):
         self._megatron_groups = megatron_groups
         self._params = params  # id(model param) -> MegatronParam
         self._views: Dict[int, TensorParallelView] = {}
+        self._gram_shards: Dict[int, torch.Tensor] = {}  # "distributed" mode: id(model param) -> its inner tensor
         self.pg_collection = pg_collection
         self.grad_scaler = grad_scaler
         self.is_stub_optimizer = False
@@ -55,6 +57,7 @@ class MegatronMuonAdamW(MegatronOptimizer):
         inner = MuonAdamW(inner_groups, grad_attr="main_grad", store_param_remainders=store_param_remainders,
                           adapters=False)
         super().__init__(inner, config)
+        self._gram_source = {id(t): params[pid] for pid, t in self._gram_shards.items()}
         device = next(iter(params.values())).param.device if params else torch.device("cpu")
         self._scale_one = torch.tensor([1.0], dtype=torch.float, device=device)
         self.found_inf = torch.tensor([0.0], dtype=torch.float, device=device)
@@ -79,7 +82,7 @@ class MegatronMuonAdamW(MegatronOptimizer):
                 if key not in by_key:
                     by_key[key] = dict(kind=key[0], params=[], param_names=[], megatron_group=index,
                                        update_factor=factor, **settings)
-                by_key[key]["params"].append(self._inner_param(mp))
+                by_key[key]["params"].append(self._inner_param(mp, beta2))
                 by_key[key]["param_names"].append(mp.name)
             inner.extend(by_key.values())
         for group in inner:
@@ -92,12 +95,17 @@ class MegatronMuonAdamW(MegatronOptimizer):
             return tuple(mp.param.shape)
         return mp.full_shape()
 
-    def _inner_param(self, mp: MegatronParam) -> torch.Tensor:
+    def _inner_param(self, mp: MegatronParam, beta2) -> torch.Tensor:
         if mp.kind == "muon" and mp.partition_dim is not None and self.tp_mode != "blockwise":
             if self.tp_mode == "distributed":
-                raise NotImplementedError("muon_ext.megatron: muon_tp_mode='distributed' is not built yet; use "
-                                          "'duplicated' (whole-matrix orthogonalization, TP=1's update) or "
-                                          "'blockwise'")
+                if beta2 is not None:
+                    raise ValueError("muon_ext.megatron: NorMuon (beta2) is not supported with muon_tp_mode="
+                                     "'distributed' (its statistics span the shards); use 'duplicated'")
+                # The inner optimizer owns its state (momentum, remainders: checkpoints, update_param) but never
+                # steps it: this tensor shares the param's storage and has no main_grad, so its step skips it.
+                shard = mp.param.detach()
+                self._gram_shards[id(mp.param)] = shard
+                return shard
             view = TensorParallelView(mp)
             view.refresh_grad()
             self._views[id(mp.param)] = view
@@ -124,7 +132,9 @@ class MegatronMuonAdamW(MegatronOptimizer):
     def view_of(self, param: torch.nn.Parameter) -> torch.Tensor:
         """The tensor the inner MuonAdamW holds for a model param: the param, or its DTensor view."""
         view = self._views.get(id(param))
-        return param if view is None else view.dtensor
+        if view is not None:
+            return view.dtensor
+        return self._gram_shards.get(id(param), param)
 
     # -- grads -------------------------------------------------------------
 
@@ -201,7 +211,29 @@ class MegatronMuonAdamW(MegatronOptimizer):
         for view in self._views.values():
             view.refresh_grad()
         self.optimizer.step()
+        if self._gram_shards:
+            self._step_gram_shards()
         return True
+
+    def _step_gram_shards(self) -> None:
+        """muon_tp_mode="distributed": phases 1 and 3 on the local shard, Polar-Express
+        through the TP group's Gram all_reduce (muon_ext.distributed.tp_polar), in
+        the inner groups' order (the same on every rank of a TP group)."""
+        for group in self.optimizer.param_groups:
+            for shard in group["params"]:
+                mp = self._gram_source.get(id(shard))
+                if mp is None or getattr(mp.param, "main_grad", None) is None:
+                    continue
+                state = self.optimizer.state[shard]
+                update = torch.empty(shard.shape, dtype=torch.float32, device=shard.device)
+                ops.muon_momentum([mp.param.main_grad], [state["momentum_buffer"]], [update],
+                                  momentum=group["momentum"], nesterov=group["nesterov"])
+                polar_express_sharded(update, mp.tp_group, mp.partition_dim, group["ns_coefficients"],
+                                      group["ns_steps"])
+                masters = [state["master_param"]] if "master_param" in state else []
+                ops.muon_apply([shard], [update], masters=masters, lr=group["lr"],
+                               weight_decay=group["weight_decay"], lr_scale="none")
+                torch.autograd.graph.increment_version(mp.param)
 
     @torch.no_grad()
     def step(self):
@@ -258,6 +290,7 @@ class MegatronMuonAdamW(MegatronOptimizer):
     def _model_param_of(self) -> List[torch.nn.Parameter]:
         """The model param behind each inner param, in the inner state dict's order."""
         by_view = {id(v.dtensor): v.source.param for v in self._views.values()}
+        by_view.update({id(t): self._params[pid].param for pid, t in self._gram_shards.items()})
         return [by_view.get(id(p), p) for p in self._inner_params()]
 
     def _as_views(self, inner: dict) -> dict:
