@@ -199,17 +199,20 @@ def gloo_world(tmp_path):
 
 
 def test_unsupported_dtensor_placements_are_refused(gloo_world):
-    """DTensor params with placements other than Replicate() / Shard(0) raise at
-    construction and in add_param_group, naming group, param and placements;
-    DTensor values for a plain param are refused (tests/python/test_distributed*.py
-    cover the supported layouts)."""
+    """A Partial DTensor param, and a split batch of matrices (matrix_view
+    "batch"), raise at construction and in add_param_group, naming group,
+    param and placements; Shard(1) is accepted; DTensor values for a plain
+    param are refused (tests/python/test_distributed*.py cover the supported
+    layouts)."""
     from torch.distributed.tensor import Partial, Shard, distribute_tensor
 
-    d = torch.nn.Parameter(distribute_tensor(torch.randn(8, 4), gloo_world, [Shard(1)]))
+    d = torch.nn.Parameter(distribute_tensor(torch.randn(3, 8, 4), gloo_world, [Shard(1)]))
     before = bits(d.to_local()).clone()
     with pytest.raises(TypeError) as exc:
-        MuonAdamW([{"params": [_GOOD], "kind": "muon"}, {"params": [d], "kind": "muon", "param_names": ["wd"]}])
-    _check_message(exc, ["param group 1 (muon), param 0 'wd'", "DTensor", "Shard(dim=1)"])
+        MuonAdamW([{"params": [_GOOD], "kind": "muon"}, {"params": [d], "kind": "muon", "param_names": ["wd"],
+                                                          "matrix_view": "batch"}])
+    _check_message(exc, ["param group 1 (muon), param 0 'wd'", "DTensor", "Shard(dim=1)", "matrix_view='batch'"])
+    MuonAdamW([{"params": [distribute_tensor(torch.randn(8, 4), gloo_world, [Shard(1)])], "kind": "muon"}])
     opt = MuonAdamW([{"params": [_GOOD], "kind": "muon"}])
     snap = optimizer_snapshot(opt)
     partial = torch.distributed.tensor.DTensor.from_local(torch.randn(8, 4), gloo_world, [Partial()])
