@@ -10,6 +10,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from muon_ext import reference
+
 from support.megatron_cpu import megatron_on_cpu
 from support.megatron_model import forward_backward, init_parallel, tiny_gpt
 
@@ -75,6 +77,15 @@ def _is_view(opt, p) -> bool:
     return isinstance(opt.view_of(p), DTensor)
 
 
+def _gather_tp(p):
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    parts = [torch.empty_like(p.detach()) for _ in range(group.size())]
+    dist.all_gather(parts, p.detach().contiguous(), group=group)
+    return parts
+
+
 def tp_slice(full: torch.Tensor, p) -> torch.Tensor:
     """This TP rank's part of the whole tensor `full` for the model param `p`."""
     from megatron.core import parallel_state
@@ -125,7 +136,9 @@ def compare(got, want, what: str, atol: float, only=None) -> float:
 
 
 def tp_modes_against_replayed_tp1() -> None:
-    """TP=2 stepped on TP=1's (replayed) main grads: "distributed" (Gram
+    """TP=2 stepped on TP=1's (replayed) main grads: "duplicated" (DTensor
+    views, whole-matrix orthogonalization) gives TP=1's masters and params bit
+    for bit; "distributed" (Gram
     all_reduce, FP32) gives TP=1's masters to 2e-6 (FP32 rounding of other
     partitions) and every param outside the TP-split Muon matrices bit for bit;
     "blockwise" is a different update (each shard orthogonalized alone) and
@@ -140,6 +153,14 @@ def tp_modes_against_replayed_tp1() -> None:
     got = replay(model, opt, grads)
     compare(got, want, "distributed, unsplit params", 0.0, only=lambda n: n not in split)
     compare(got, want, "distributed, TP-split Muon", 2e-6, only=lambda n: n in split)  # measured 7.4e-7
+    model, opt = build(2, muon_tp_mode="duplicated", **settings)
+    assert sum(_is_view(opt, p) for p in model.parameters()) == len(split)
+    got = replay(model, opt, grads)
+    compare(got, want, "duplicated", 0.0)  # bit for bit, every param
+    for n, p in model.named_parameters():  # the BF16 params too: the remainder split of TP=1's masters
+        whole = torch.cat(_gather_tp(p), dim=p.partition_dim) if getattr(p, "tensor_model_parallel", False) \
+            else p.detach()
+        assert torch.equal(whole, reference.split_master(want[-1][n])[0]), n
     model, opt = build(2, muon_tp_mode="blockwise", **settings)
     got = replay(model, opt, grads)
     compare(got, want, "blockwise, unsplit params", 0.0, only=lambda n: n not in split)
