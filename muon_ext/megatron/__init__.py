@@ -36,7 +36,9 @@ def get_megatron_muon_optimizer(
     loss_scale / initial_loss_scale / min_loss_scale / loss_scale_window /
     hysteresis, log_num_zeros_in_grad, and muon_momentum, muon_use_nesterov,
     muon_scale_mode, muon_extra_scale_factor, muon_num_ns_steps, muon_tp_mode,
-    muon_fp32_matmul_prec ("highest": FP32 Polar-Express, else BF16).
+    muon_fp32_matmul_prec ("highest": FP32 Polar-Express, else BF16), muon_split_qkv
+    (the fused QKV weight orthogonalized as one Q, one K and one V matrix, each
+    gathered across the query groups, each with its own update scale).
 
     Beyond Megatron's arguments: `beta2` switches NorMuon on (None: plain Muon,
     as Megatron's), `ns_coefficients` replaces the Polar-Express tuples,
@@ -48,9 +50,6 @@ def get_megatron_muon_optimizer(
     check_config(config)
     if layer_wise_distributed_optimizer:
         raise ValueError("muon_ext.megatron: layer_wise_distributed_optimizer=True is not supported")
-    if config.muon_split_qkv:
-        raise NotImplementedError("muon_ext.megatron: muon_split_qkv=True is not built yet; set "
-                                  "OptimizerConfig.muon_split_qkv=False (the fused QKV weight is then one matrix)")
     from megatron.core.optimizer import _get_param_groups
     from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -66,6 +65,7 @@ def get_megatron_muon_optimizer(
             names.setdefault(id(p), name)
     groups = _get_param_groups(model_chunks, config, config_overrides)
     params = {id(p): classify(p, names[id(p)], pg_collection) for g in groups for p in g["params"]}
+    qkv_split_shapes = _qkv_split_shapes(model_chunks) if config.muon_split_qkv else None
     grad_scaler = None
     if config.loss_scale:
         grad_scaler = ConstantGradScaler(config.loss_scale)
@@ -75,4 +75,18 @@ def get_megatron_muon_optimizer(
                                         growth_interval=config.loss_scale_window, hysteresis=config.hysteresis)
     return MegatronMuonAdamW(config, groups, params, pg_collection=pg_collection, grad_scaler=grad_scaler,
                              beta2=beta2, ns_coefficients=ns_coefficients,
-                             store_param_remainders=store_param_remainders)
+                             store_param_remainders=store_param_remainders, qkv_split_shapes=qkv_split_shapes)
+
+
+def _qkv_split_shapes(model_chunks):
+    """Rows of (q, k, v) per query group of the fused linear_qkv weight, as Megatron's Muon splits it."""
+    shapes = set()
+    for chunk in model_chunks:
+        c = chunk.config
+        if getattr(c, "attention_output_gate", False):
+            raise ValueError("muon_ext.megatron: muon_split_qkv with attention_output_gate is not supported")
+        groups = c.num_query_groups or c.num_attention_heads
+        shapes.add((c.num_attention_heads // groups * c.kv_channels, c.kv_channels, c.kv_channels))
+    if len(shapes) > 1:
+        raise ValueError(f"muon_ext.megatron: model chunks disagree on the QKV split: {sorted(shapes)}")
+    return shapes.pop() if shapes else None

@@ -23,8 +23,8 @@ from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
 
-from .. import MuonAdamW, ops
-from ..distributed.tp_polar import polar_express_sharded
+from .. import MuonAdamW
+from .blocks import BlockStep, qkv_row_blocks
 from . import config as cfg
 from .params import MegatronParam, TensorParallelView
 
@@ -40,7 +40,8 @@ class MegatronMuonAdamW(MegatronOptimizer):
     derived from them at every step (Muon groups split by update scale)."""
 
     def __init__(self, config, megatron_groups: List[dict], params: Dict[int, MegatronParam], *, pg_collection,
-                 grad_scaler=None, beta2=None, ns_coefficients=None, store_param_remainders: bool = True):
+                 grad_scaler=None, beta2=None, ns_coefficients=None, store_param_remainders: bool = True,
+                 qkv_split_shapes=None):
         self.config = config
         for group in megatron_groups:  # what torch's constructor fills in before the scheduler's first step
             group.setdefault("lr", group.get("max_lr", config.lr))
@@ -48,7 +49,9 @@ class MegatronMuonAdamW(MegatronOptimizer):
         self._megatron_groups = megatron_groups
         self._params = params  # id(model param) -> MegatronParam
         self._views: Dict[int, TensorParallelView] = {}
-        self._gram_shards: Dict[int, torch.Tensor] = {}  # "distributed" mode: id(model param) -> its inner tensor
+        self._hand: Dict[int, BlockStep] = {}  # id(inner tensor) -> how the adapter steps it (blocks.py)
+        self._hand_by_param: Dict[int, torch.Tensor] = {}  # id(model param) -> that inner tensor
+        self._qkv_split_shapes = qkv_split_shapes
         self.pg_collection = pg_collection
         self.grad_scaler = grad_scaler
         self.is_stub_optimizer = False
@@ -57,7 +60,6 @@ class MegatronMuonAdamW(MegatronOptimizer):
         inner = MuonAdamW(inner_groups, grad_attr="main_grad", store_param_remainders=store_param_remainders,
                           adapters=False)
         super().__init__(inner, config)
-        self._gram_source = {id(t): params[pid] for pid, t in self._gram_shards.items()}
         device = next(iter(params.values())).param.device if params else torch.device("cpu")
         self._scale_one = torch.tensor([1.0], dtype=torch.float, device=device)
         self.found_inf = torch.tensor([0.0], dtype=torch.float, device=device)
@@ -73,8 +75,14 @@ class MegatronMuonAdamW(MegatronOptimizer):
             by_key: Dict[tuple, dict] = {}
             for p in group["params"]:
                 mp = self._params[id(p)]
+                tensor = self._inner_param(mp, beta2)
                 if mp.kind == "adamw":
                     key, factor, settings = ("adamw",), 1.0, adamw_settings
+                elif id(tensor) in self._hand:  # each block has its own factor, applied in BlockStep.step
+                    hand = self._hand[id(tensor)]
+                    hand.factors = [cfg.muon_scale(r, c, config.muon_scale_mode, config.muon_extra_scale_factor)
+                                    for r, c in hand.block_shapes()]
+                    key, factor, settings = ("muon", 1.0), 1.0, muon_settings
                 else:
                     rows, cols = self._muon_shape(mp)
                     factor = cfg.muon_scale(rows, cols, config.muon_scale_mode, config.muon_extra_scale_factor)
@@ -82,7 +90,7 @@ class MegatronMuonAdamW(MegatronOptimizer):
                 if key not in by_key:
                     by_key[key] = dict(kind=key[0], params=[], param_names=[], megatron_group=index,
                                        update_factor=factor, **settings)
-                by_key[key]["params"].append(self._inner_param(mp, beta2))
+                by_key[key]["params"].append(tensor)
                 by_key[key]["param_names"].append(mp.name)
             inner.extend(by_key.values())
         for group in inner:
@@ -96,16 +104,24 @@ class MegatronMuonAdamW(MegatronOptimizer):
         return mp.full_shape()
 
     def _inner_param(self, mp: MegatronParam, beta2) -> torch.Tensor:
-        if mp.kind == "muon" and mp.partition_dim is not None and self.tp_mode != "blockwise":
-            if self.tp_mode == "distributed":
-                if beta2 is not None:
-                    raise ValueError("muon_ext.megatron: NorMuon (beta2) is not supported with muon_tp_mode="
-                                     "'distributed' (its statistics span the shards); use 'duplicated'")
-                # The inner optimizer owns its state (momentum, remainders: checkpoints, update_param) but never
-                # steps it: this tensor shares the param's storage and has no main_grad, so its step skips it.
-                shard = mp.param.detach()
-                self._gram_shards[id(mp.param)] = shard
-                return shard
+        """The tensor the inner MuonAdamW holds for a model param: the param itself, its DTensor
+        view ("duplicated"), or a storage-sharing tensor without a grad for params stepped here."""
+        split = mp.kind == "muon" and mp.partition_dim is not None and self.tp_mode != "blockwise"
+        qkv = mp.kind == "muon" and self._qkv_split_shapes is not None and _is_qkv(mp)
+        if qkv or (split and self.tp_mode == "distributed"):
+            if beta2 is not None:
+                raise ValueError(f"muon_ext.megatron: {mp.name}: NorMuon (beta2) is not supported with "
+                                 "muon_split_qkv or muon_tp_mode='distributed' (its statistics span the blocks)")
+            blocks = qkv_row_blocks(mp.param.shape[0], self._qkv_split_shapes) if qkv else [None]
+            mode = "local" if not split else ("gram" if self.tp_mode == "distributed" else "gather")
+            # The inner optimizer owns its state (momentum, remainders: checkpoints, update_param) but never
+            # steps it: this tensor shares the param's storage and has no main_grad, so its step skips it.
+            tensor = mp.param.detach()
+            self._hand[id(tensor)] = BlockStep(mp.name, mp.param, tensor, blocks, mode,
+                                               mp.tp_group if split else None, mp.partition_dim if split else None)
+            self._hand_by_param[id(mp.param)] = tensor
+            return tensor
+        if split:
             view = TensorParallelView(mp)
             view.refresh_grad()
             self._views[id(mp.param)] = view
@@ -134,7 +150,7 @@ class MegatronMuonAdamW(MegatronOptimizer):
         view = self._views.get(id(param))
         if view is not None:
             return view.dtensor
-        return self._gram_shards.get(id(param), param)
+        return self._hand_by_param.get(id(param), param)
 
     # -- grads -------------------------------------------------------------
 
@@ -211,29 +227,18 @@ class MegatronMuonAdamW(MegatronOptimizer):
         for view in self._views.values():
             view.refresh_grad()
         self.optimizer.step()
-        if self._gram_shards:
-            self._step_gram_shards()
+        if self._hand:
+            self._step_by_hand()
         return True
 
-    def _step_gram_shards(self) -> None:
-        """muon_tp_mode="distributed": phases 1 and 3 on the local shard, Polar-Express
-        through the TP group's Gram all_reduce (muon_ext.distributed.tp_polar), in
-        the inner groups' order (the same on every rank of a TP group)."""
+    def _step_by_hand(self) -> None:
+        """The params of blocks.py (QKV split, "distributed" TP), in the inner groups' order
+        (the same on every rank of a TP group: their collectives pair up)."""
         for group in self.optimizer.param_groups:
-            for shard in group["params"]:
-                mp = self._gram_source.get(id(shard))
-                if mp is None or getattr(mp.param, "main_grad", None) is None:
-                    continue
-                state = self.optimizer.state[shard]
-                update = torch.empty(shard.shape, dtype=torch.float32, device=shard.device)
-                ops.muon_momentum([mp.param.main_grad], [state["momentum_buffer"]], [update],
-                                  momentum=group["momentum"], nesterov=group["nesterov"])
-                polar_express_sharded(update, mp.tp_group, mp.partition_dim, group["ns_coefficients"],
-                                      group["ns_steps"])
-                masters = [state["master_param"]] if "master_param" in state else []
-                ops.muon_apply([shard], [update], masters=masters, lr=group["lr"],
-                               weight_decay=group["weight_decay"], lr_scale="none")
-                torch.autograd.graph.increment_version(mp.param)
+            for tensor in group["params"]:
+                hand = self._hand.get(id(tensor))
+                if hand is not None:
+                    hand.step(self.optimizer.state[tensor], group, hand.factors)
 
     @torch.no_grad()
     def step(self):
@@ -290,7 +295,7 @@ class MegatronMuonAdamW(MegatronOptimizer):
     def _model_param_of(self) -> List[torch.nn.Parameter]:
         """The model param behind each inner param, in the inner state dict's order."""
         by_view = {id(v.dtensor): v.source.param for v in self._views.values()}
-        by_view.update({id(t): self._params[pid].param for pid, t in self._gram_shards.items()})
+        by_view.update({tid: hand.param for tid, hand in self._hand.items()})
         return [by_view.get(id(p), p) for p in self._inner_params()]
 
     def _as_views(self, inner: dict) -> dict:
@@ -363,6 +368,11 @@ class MegatronMuonAdamW(MegatronOptimizer):
             if index < count:
                 return group["kind"]
         raise IndexError(index)
+
+
+def _is_qkv(mp: MegatronParam) -> bool:
+    """Megatron's rule for the fused QKV weight (muon.py: is_qkv)."""
+    return "linear_qkv.weight" in mp.name and mp.param.dim() == 2
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ def test_megatron_tp1_tp2_training_norms_scheduler_fp16_and_resume(tmp_path):
 
     spawn(tmp_path, 2, cases.run_all, [
         (cases.tp_modes_against_replayed_tp1, ()),
+        (cases.qkv_split_against_hand_split_and_tp1, ()),
         (cases.blockwise_tp2_trains_like_tp1, ()),
         (cases.grad_norm_and_adamw_match_megatron_adam, ()),
         (cases.scheduler_drives_lr_and_decay, ()),
