@@ -12,7 +12,7 @@ from typing import Dict, List, Optional
 
 from .config import TP_MODES, check_config
 
-__all__ = ["get_megatron_muon_optimizer", "TP_MODES"]
+__all__ = ["get_megatron_muon_optimizer", "clip_qk", "TP_MODES"]
 
 
 def get_megatron_muon_optimizer(
@@ -76,6 +76,13 @@ def get_megatron_muon_optimizer(
     return MegatronMuonAdamW(config, groups, params, pg_collection=pg_collection, grad_scaler=grad_scaler,
                              beta2=beta2, ns_coefficients=ns_coefficients,
                              store_param_remainders=store_param_remainders, qkv_split_shapes=qkv_split_shapes)
+
+
+def clip_qk(model_chunks: List, optimizer, log_max_only: bool = False) -> float:
+    """Megatron's QK-clip applied to the optimizer's FP32 masters (see muon_ext.megatron.qk_clip)."""
+    from .qk_clip import clip_qk as clip
+
+    return clip(model_chunks, optimizer, log_max_only)
 
 
 def _qkv_split_shapes(model_chunks):

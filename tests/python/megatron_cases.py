@@ -331,3 +331,45 @@ def qkv_split_against_hand_split_and_tp1() -> None:
         worst = compare(got, want, f"split QKV, {mode}", atol)
         if dist.get_rank() == 0:
             print(f"MEGATRON split QKV {mode}: max |master difference| to TP=1 {worst:.3g}", flush=True)
+
+
+def qk_clip_matches_megatron_math_at_tp2() -> None:
+    """muon_ext.megatron.clip_qk at TP=2 ("duplicated", BF16 + remainders) on
+    given max logits (heads 4, 2 query groups; threshold 2) equals Megatron's
+    own SelfAttention.clip_qk on a plain FP32 TP=1 model holding the same
+    masters, bit for bit; the BF16 params are the remainder split of the
+    clipped masters; every other master is unchanged."""
+    from muon_ext.megatron import clip_qk
+
+    logits = torch.tensor([5.0, 0.5, 3.0, 1.0])  # group 0: max 5 (clipped), group 1: max 3 (clipped)
+    qk = dict(qk_clip=True, qk_clip_threshold=2.0, qk_clip_alpha=0.5)
+    model, opt = build(2, model_kwargs=dict(query_groups=2, **qk), muon_split_qkv=False, muon_tp_mode="duplicated")
+    train(model, opt, 1)
+    before = gathered_masters(model, opt)
+    from megatron.core import parallel_state
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    attentions = [m for m in model.modules() if hasattr(m, "linear_qkv") and hasattr(m, "core_attention")]
+    assert len(attentions) == 2
+    for attention in attentions:
+        attention.core_attention.current_max_attn_logits = logits.chunk(2)[tp_rank].clone()
+    largest = clip_qk([model], opt)
+    assert largest == logits.chunk(2)[tp_rank].max().item(), largest  # as Megatron: over DP only
+    after = gathered_masters(model, opt)
+    for n, p in model.named_parameters():
+        if "linear_qkv.weight" in n:
+            assert not torch.equal(after[n], before[n]), n
+            whole = torch.cat(_gather_tp(p), dim=0)
+            assert torch.equal(whole, reference.split_master(after[n])[0]), n
+        else:
+            assert torch.equal(after[n], before[n]), n
+    parallel_state.destroy_model_parallel()
+    init_parallel(1)
+    ref = tiny_gpt(dtype=torch.float32, ddp=False, query_groups=2, **qk)
+    with torch.no_grad():
+        for n, p in ref.named_parameters():
+            p.copy_(before["module." + n])
+    for attention in [m for m in ref.modules() if hasattr(m, "linear_qkv") and hasattr(m, "core_attention")]:
+        attention.core_attention.current_max_attn_logits = logits.clone()
+        attention.clip_qk()
+    for n, p in ref.named_parameters():
+        assert torch.equal(p.detach(), after["module." + n]), n
