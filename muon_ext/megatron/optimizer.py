@@ -283,6 +283,9 @@ class MegatronMuonAdamW(MegatronOptimizer):
         """Loads `state_dict()` or what dist_checkpointing.load returned for
         `sharded_state_dict(..., is_loading=True)` (local shards, one common AdamW step)."""
         inner = self._with_steps(state_dict["optimizer"])
+        # The inner groups are derived from Megatron's groups and the config (lr and weight decay at every
+        # step), and their split by update scale depends on the TP size in "blockwise" mode: keep this run's.
+        inner = dict(inner, param_groups=self.optimizer.state_dict()["param_groups"])
         if self._views:
             inner = self._as_views(inner)
         self.optimizer.load_state_dict(inner)
@@ -315,8 +318,9 @@ class MegatronMuonAdamW(MegatronOptimizer):
                 if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
                     same_shape = tuple(value.shape) == tuple(view.source.param.shape)
                     placements = view.placements if same_shape else (Replicate(),)
-                    value = DTensor.from_local(value, view.mesh, placements, run_check=False,
-                                               shape=view.dtensor.shape if same_shape else value.shape)
+                    like = view.dtensor if same_shape else value
+                    value = DTensor.from_local(value.contiguous(), view.mesh, placements, run_check=False,
+                                               shape=like.shape, stride=like.stride())
                 wrapped[key] = value
             inner["state"][index] = wrapped
         return inner

@@ -373,3 +373,42 @@ def qk_clip_matches_megatron_math_at_tp2() -> None:
         attention.clip_qk()
     for n, p in ref.named_parameters():
         assert torch.equal(p.detach(), after["module." + n]), n
+
+
+def _save(model, opt, path: str) -> None:
+    import os
+
+    from megatron.core import dist_checkpointing
+
+    os.makedirs(path, exist_ok=True)
+    dist.barrier()
+    model_sd = model.module.sharded_state_dict()
+    dist_checkpointing.save({"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd)}, path)
+
+
+def _load(model, opt, path: str) -> None:
+    from megatron.core import dist_checkpointing
+
+    model_sd = model.module.sharded_state_dict()
+    loaded = dist_checkpointing.load({"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=True)},
+                                     path)
+    model.module.load_state_dict(loaded["model"])
+    opt.load_state_dict(loaded["optimizer"])
+
+
+def dist_checkpoint_across_tp(path: str) -> None:
+    """dist_checkpointing (torch_dist) of model + optimizer ("duplicated"):
+    saved at TP=2 after 2 steps and resumed at TP=1, and saved at TP=1 and
+    resumed at TP=2, then 2 more steps on replayed grads: masters bit-equal to
+    never stopping (TP=1's run)."""
+    settings = dict(clip_grad=0.0, muon_tp_mode="duplicated", weight_decay=0.1)
+    grads, want = record_tp1(4, **settings)
+    for first, second in ((2, 1), (1, 2)):
+        where = f"{path}/tp{first}_to_tp{second}"
+        model, opt = build(first, **settings)
+        replay(model, opt, grads[:2])
+        _save(model, opt, where)
+        model, opt = build(second, **settings)
+        _load(model, opt, where)
+        got = replay(model, opt, grads[2:])
+        compare(got, want[2:], f"resumed TP={first} -> TP={second}", 0.0)

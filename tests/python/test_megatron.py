@@ -17,6 +17,7 @@ def test_megatron_tp1_tp2_training_norms_scheduler_fp16_and_resume(tmp_path):
     from dist_helpers import spawn
 
     spawn(tmp_path, 2, cases.run_all, [
+        (cases.dist_checkpoint_across_tp, (str(tmp_path / "ckpt"),)),
         (cases.qk_clip_matches_megatron_math_at_tp2, ()),
         (cases.tp_modes_against_replayed_tp1, ()),
         (cases.qkv_split_against_hand_split_and_tp1, ()),
