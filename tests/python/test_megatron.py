@@ -13,8 +13,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None
 
 
 def test_megatron_tp1_tp2_training_norms_scheduler_fp16_and_resume(tmp_path):
-    import megatron_cases as cases
-    from dist_helpers import spawn
+    from support import megatron_cases as cases
+    from support.dist_helpers import spawn
 
     spawn(tmp_path, 2, cases.run_all, [
         (cases.dist_checkpoint_across_tp, (str(tmp_path / "ckpt"),)),

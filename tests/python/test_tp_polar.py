@@ -7,7 +7,7 @@ matrices, on 2 spawned processes."""
 import pytest
 import torch
 
-from dist_helpers import spawn
+from support.dist_helpers import spawn
 from muon_ext import ops
 from muon_ext.distributed.tp_polar import polar_express_sharded
 
