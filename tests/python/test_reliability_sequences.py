@@ -138,7 +138,7 @@ def _step(twin: Twin, data) -> None:
 
 
 def _update_param(twin: Twin, data) -> None:
-    i = data.draw(st.integers(0, len(twin.params) - 1))
+    i = _some_param(twin, data)
     kind = data.draw(st.sampled_from(["ok", "ok", "nan", "shape", "dtype"]))
     values = _values(twin.params[i].shape, data.draw(st.integers(0, 10**6)))
     if kind == "nan":
@@ -163,8 +163,15 @@ def _register(twin: Twin, data) -> None:
     _apply(twin, mine, lambda: twin.ref.register_param_writer(twin.ref_params[i], FlakyWriter(fails=False)))
 
 
+def _some_param(twin: Twin, data) -> int:
+    """A param index, one with a writer half of the time (the interesting interactions)."""
+    if twin.writers and data.draw(st.booleans()):
+        return data.draw(st.sampled_from(sorted(twin.writers)))
+    return data.draw(st.integers(0, len(twin.params) - 1))
+
+
 def _unregister(twin: Twin, data) -> None:
-    i = data.draw(st.integers(0, len(twin.params) - 1))
+    i = _some_param(twin, data)
 
     def mine():
         twin.opt.unregister_param_writer(twin.params[i])
@@ -225,7 +232,7 @@ def _add_group(twin: Twin, data) -> None:
 def _layout_change(twin: Twin, data) -> None:
     """Between calls, as a model conversion would: a param's data becomes non-contiguous (values kept), or
     contiguous again; no call is made, so nothing is checked here."""
-    i = data.draw(st.integers(0, len(twin.params) - 1))
+    i = _some_param(twin, data)
     p = twin.params[i]
     if p.dim() == 2 and p.is_contiguous():
         p.data = p.data.t().contiguous().t()
