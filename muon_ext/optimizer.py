@@ -33,7 +33,7 @@ __all__ = ["MuonAdamW"]
 
 
 class MuonAdamW(torch.optim.Optimizer):
-    """Muon + AdamW over seed-schema param groups (see docs/design.md, "Public Python API").
+    """Muon + AdamW over `{"params", "kind": "muon" | "adamw", ...}` param groups (see docs/design.md, "Public Python API").
 
     Args:
         params: groups `{"params": [...], "kind": "muon" | "adamw", ...}`; missing

@@ -112,9 +112,9 @@ class OptimizerState:
     def init(self, info: ParamInfo, group: dict) -> None:
         """Creates the param's missing state entries under `group`'s settings."""
         p, state = info.param, self.tensors[info.param]
-        def zeros(shape, dtype=torch.float32, like_param=True):
+        def zeros(shape, dtype=torch.float32, like_param=True, rows_only=False):
             if is_dtensor(p):  # on the param's mesh, split like it or replicated (distributed/state.py)
-                return dtensor_zeros(p, shape, dtype, like_param)
+                return dtensor_zeros(p, shape, dtype, like_param, rows_only)
             return torch.zeros(shape, dtype=dtype, device=p.device)
 
         if info.kind == "adamw":
@@ -125,7 +125,7 @@ class OptimizerState:
             state.setdefault("momentum_buffer", zeros(p.shape))
             if group["beta2"] is not None:
                 state.setdefault("second_momentum_buffer", zeros(second_moment_shape(p, group["matrix_view"]),
-                                                                 like_param=stats_follow_rows(p, group["matrix_view"])))
+                                                                 like_param=stats_follow_rows(p, group["matrix_view"]), rows_only=True))
         if info.master == "remainder":
             state.setdefault("master_param", zeros(p.shape, torch.int16))
         elif info.master == "fp32" and "master_param" not in state:

@@ -2,14 +2,16 @@
 whole, by one owner rank, and the work is spread over the ranks.
 
 Matrix j of a group of N same-key matrices is owned by rank j mod W of the
-ranks that share the work (`Ranks`: one mesh dim). Sharded (Shard(0)): one all_to_all
-brings every rank's rows of matrix j (and their NorMuon statistics) to its
-owner, the owner runs `orthogonalize` on its whole matrices, one all_to_all
-sends each rank its rows back. Replicated: every rank holds every matrix; each
+ranks that share the work. Split (`ShardGroup`: the ranks of the mesh dims that
+split the matrix, by rows, columns or both, e.g. FSDP x TP): one all_to_all
+brings every rank's block of matrix j (and its NorMuon statistics) to its
+owner, which places each block at its rows and columns, runs `orthogonalize`
+on its whole matrices, and one all_to_all sends each rank its block back.
+Replicated: every rank holds every matrix; each
 orthogonalizes its own and one all_gather hands the results to all ranks, so
 replicas stay bit-identical. HSDP composes the two: the replicate dim splits
 a group's matrices as for replicated params, each replica's shard group runs
-the sharded exchange on its share, and the all_gather over the replicate dim
+the split exchange on its share, and the all_gather over the replicate dim
 hands each rank the rows of the other shares. Nothing is sent for the padding of N to a
 multiple of W (owners just hold one matrix fewer), and no padding enters an
 orthogonalization. Groups of one rank do not come here (step.py runs the
@@ -24,32 +26,37 @@ from typing import Callable, List, Optional
 import torch
 import torch.distributed as dist
 
-from .placements import Ranks, chunk_rows
+from .placements import IndexSet, Ranks
+from .shard_group import ShardGroup
 
 __all__ = ["exchange_sharded", "exchange_replicated"]
 
 Orthogonalize = Callable[[List[torch.Tensor], List[torch.Tensor]], Optional[int]]  # bytes it sent, if any
 
 
-def exchange_sharded(ranks: Ranks, rows: int, cols: int, updates: List[torch.Tensor],
+def exchange_sharded(shards: ShardGroup, rows: int, cols: int, updates: List[torch.Tensor],
                      stats: List[torch.Tensor], stats_sharded: bool, orthogonalize: Orthogonalize) -> int:
-    """`updates`: this rank's FP32 rows [r, cols] of each matrix; `stats`: their
-    NorMuon second moments (empty without NorMuon), this rank's rows [r, 1] if
+    """`updates`: this rank's FP32 block [r, c] of each matrix (rows
+    `shards.rows[me]`, columns `shards.cols[me]`); `stats`: their NorMuon
+    second moments (empty without NorMuon), this rank's rows [r, 1] if
     `stats_sharded`, else the whole replicated [1, cols]. Both are overwritten
-    with the orthogonalized rows and the updated statistics."""
-    world, me = ranks.size, ranks.rank
-    chunks = chunk_rows(rows, world)
+    with the orthogonalized block and the updated statistics."""
+    world, me = shards.ranks.size, shards.ranks.rank
+    counts = shards.counts
     n = len(updates)
     mine = list(range(me, n, world))
     normuon = bool(stats)
     row_stat = 1 if (normuon and stats_sharded) else 0  # statistics travelling with each row
+    # Ranks that split only the columns hold the same rows: each sends its copy of their statistics, the
+    # owner keeps one (they are equal), so every rank's message has one layout.
+    size_of = lambda s: counts[s][0] * counts[s][1] + row_stat * counts[s][0]  # noqa: E731 - rank s's block
 
-    # -- to the owners: my rows of matrix j go to rank j mod W
+    # -- to the owners: my block of matrix j goes to rank j mod W
     send = _cat([piece for d in range(world) for j in range(d, n, world)
                  for piece in _row_pieces(updates[j], stats[j] if row_stat else None)], updates)
-    send_splits = [len(range(d, n, world)) * chunks[me][1] * (cols + row_stat) for d in range(world)]
-    recv_splits = [len(mine) * chunks[s][1] * (cols + row_stat) for s in range(world)]
-    recv = _all_to_all(ranks, send, send_splits, recv_splits)
+    send_splits = [len(range(d, n, world)) * size_of(me) for d in range(world)]
+    recv_splits = [len(mine) * size_of(s) for s in range(world)]
+    recv = _all_to_all(shards.ranks, send, send_splits, recv_splits)
 
     whole = updates[0].new_empty((len(mine), rows, cols))
     whole_stats = []
@@ -62,31 +69,31 @@ def exchange_sharded(ranks: Ranks, rows: int, cols: int, updates: List[torch.Ten
                 whole_stat[k].copy_(stats[j])
     offset = 0
     for s in range(world):
-        start, count = chunks[s]
+        r, c = counts[s]
         for k in range(len(mine)):
-            whole[k, start:start + count].copy_(recv[offset:offset + count * cols].view(count, cols))
-            offset += count * cols
+            _put(whole[k], shards.rows[s], shards.cols[s], recv[offset:offset + r * c].view(r, c))
+            offset += r * c
             if row_stat:
-                whole_stat[k, start:start + count].copy_(recv[offset:offset + count].view(count, 1))
-                offset += count
+                _put(whole_stat[k], shards.rows[s], slice(None), recv[offset:offset + r].view(r, 1))
+                offset += r
     if mine:
         orthogonalize(list(whole), whole_stats)
 
-    # -- back from the owners: rank s gets its rows (and, replicated, the whole statistics)
+    # -- back from the owners: rank s gets its block (and, replicated, the whole statistics)
     back = _cat([piece for s in range(world) for k in range(len(mine))
-                 for piece in _owner_pieces(whole[k], whole_stats[k] if normuon else None, chunks[s],
-                                            stats_sharded)], updates)
-    stat_of = lambda s: (chunks[s][1] if stats_sharded else cols) if normuon else 0  # noqa: E731 - rank s's
-    back_splits = [len(mine) * (chunks[s][1] * cols + stat_of(s)) for s in range(world)]
+                 for piece in _owner_pieces(whole[k], whole_stats[k] if normuon else None, shards.rows[s],
+                                            shards.cols[s], stats_sharded)], updates)
+    stat_of = lambda s: (counts[s][0] if stats_sharded else cols) if normuon else 0  # noqa: E731 - rank s's
+    back_splits = [len(mine) * (counts[s][0] * counts[s][1] + stat_of(s)) for s in range(world)]
     back_stat = stat_of(me)
-    ret_splits = [len(range(d, n, world)) * (chunks[me][1] * cols + back_stat) for d in range(world)]
-    ret = _all_to_all(ranks, back, back_splits, ret_splits)
+    block = counts[me][0] * counts[me][1]
+    ret_splits = [len(range(d, n, world)) * (block + back_stat) for d in range(world)]
+    ret = _all_to_all(shards.ranks, back, back_splits, ret_splits)
     offset = 0
-    count = chunks[me][1]
     for d in range(world):
         for j in range(d, n, world):
-            updates[j].copy_(ret[offset:offset + count * cols].view(count, cols))
-            offset += count * cols
+            updates[j].copy_(ret[offset:offset + block].view(updates[j].shape))
+            offset += block
             if normuon:
                 stats[j].copy_(ret[offset:offset + back_stat].view(stats[j].shape))
                 offset += back_stat
@@ -130,12 +137,32 @@ def _row_pieces(update: torch.Tensor, stat: Optional[torch.Tensor]) -> List[torc
     return [update.reshape(-1)] + ([stat.reshape(-1)] if stat is not None else [])
 
 
-def _owner_pieces(whole: torch.Tensor, stat: Optional[torch.Tensor], chunk, stats_sharded: bool):
-    start, count = chunk
-    pieces = [whole[start:start + count].reshape(-1)]
+def _owner_pieces(whole: torch.Tensor, stat: Optional[torch.Tensor], rows: IndexSet, cols: IndexSet,
+                  stats_sharded: bool):
+    pieces = [_take(whole, rows, cols).reshape(-1)]
     if stat is not None:
-        pieces.append((stat[start:start + count] if stats_sharded else stat).reshape(-1))
+        pieces.append((_take(stat, rows, slice(None)) if stats_sharded else stat).reshape(-1))
     return pieces
+
+
+def _take(whole: torch.Tensor, rows: IndexSet, cols: IndexSet) -> torch.Tensor:
+    """whole[rows][:, cols] (a view where both are slices)."""
+    if isinstance(rows, slice) and isinstance(cols, slice):
+        return whole[rows, cols]
+    return whole[rows][:, cols]
+
+
+def _put(whole: torch.Tensor, rows: IndexSet, cols: IndexSet, block: torch.Tensor) -> None:
+    """whole[rows][:, cols] = block, in place."""
+    if isinstance(rows, slice) and isinstance(cols, slice):
+        whole[rows, cols].copy_(block)
+        return
+    if isinstance(rows, slice):
+        whole[rows].index_copy_(1, cols, block)
+    elif isinstance(cols, slice):
+        whole[:, cols].index_copy_(0, rows, block)
+    else:
+        whole.index_put_((rows[:, None], cols[None, :]), block)
 
 
 def _slot(update: torch.Tensor, stat: Optional[torch.Tensor]) -> torch.Tensor:

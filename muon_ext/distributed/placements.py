@@ -1,21 +1,30 @@
-"""Which DTensor layouts the optimizer accepts, and where each rank's rows are.
+"""Which DTensor layouts the optimizer accepts, and which block of the whole
+tensor each rank holds.
 
-Accepted: `Replicate()` on every mesh dim (DDP-style), or `Shard(0)` on one
-mesh dim and `Replicate()` on the others (FSDP2 on a 1-D mesh, HSDP on a 2-D
-mesh). Shards follow DTensor's chunk rule (as `torch.chunk`): rank r of the
-shard dim holds rows [r * c, min((r + 1) * c, n)) with c = ceil(n / W), so
-shards are uneven and the last ranks may hold no rows.
+Accepted: any mix of `Replicate()`, `Shard(d)` and `_StridedShard(d)` over the
+mesh dims (FSDP2, HSDP, DDP-style replication, tensor parallelism, and their
+products: FSDP x TP, HSDP x TP), never `Partial` (a param is a value, not a
+pending sum). Splits follow DTensor's own rules (chunk rule, left to right over
+the mesh dims, `_StridedShard`'s interleaving), replayed here on index vectors
+(`dim_indices`), so each rank knows, for every rank of its shard group, which
+rows and columns of a matrix that rank holds. Splitting one tensor dim only
+selects along that dim, so a rank's part is the product of one index set per
+dim (a block, possibly with interleaved rows).
 """
 
 from __future__ import annotations
 
-from typing import List, NamedTuple, Optional, Tuple
+from typing import List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
 from .._types import is_dtensor
 
-__all__ = ["Layout", "Ranks", "check_param", "layout_of", "local", "chunk_rows", "holds_full"]
+__all__ = ["Layout", "Ranks", "check_param", "layout_of", "local", "holds_full", "is_split", "dim_indices",
+           "expected_local_shape", "IndexSet", "index_set"]
+
+# A set of global indices along one dim: a slice where they are consecutive (the common case), else a LongTensor.
+IndexSet = Union[slice, torch.Tensor]
 
 
 class Ranks(NamedTuple):
@@ -26,24 +35,36 @@ class Ranks(NamedTuple):
     rank: int
 
 
+def is_split(placement) -> bool:
+    """Whether the placement splits a tensor dim (`Shard`, `_StridedShard`; in torch 2.14 the latter is no Shard)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return isinstance(placement, (Shard, _StridedShard))
+
+
 class Layout(NamedTuple):
-    """A DTensor param's mesh and placements; `shard_dim` is the mesh dim that
-    splits tensor dim 0 (None: replicated on every mesh dim)."""
+    """A DTensor param's mesh and placements. `split_dims`: the mesh dims of
+    more than one rank whose placement splits the tensor (their ranks hold
+    different parts: the shard group); `replicate_dims`: those of more than one
+    rank that replicate it (their ranks hold the same part)."""
 
     mesh: object  # torch.distributed.device_mesh.DeviceMesh
     placements: Tuple
-    shard_dim: Optional[int]
+
+    @property
+    def split_dims(self) -> Tuple[int, ...]:
+        return tuple(d for d, pl in enumerate(self.placements) if is_split(pl) and self.mesh.size(d) > 1)
+
+    @property
+    def replicate_dims(self) -> Tuple[int, ...]:
+        return tuple(d for d, pl in enumerate(self.placements) if pl.is_replicate() and self.mesh.size(d) > 1)
 
     def ranks(self, dim: int) -> Ranks:
-        return Ranks(self.mesh.get_group(dim), self.mesh.size(dim), self.mesh.get_local_rank(dim))
+        group = self.mesh.get_group(dim)
+        import torch.distributed as dist
 
-    def work_dims(self) -> Tuple[int, Optional[int]]:
-        """(the mesh dim whose ranks split a group's matrices first: the shard dim, else dim 0;
-        a replicate dim beside the shard dim that splits them further, or None)."""
-        if self.shard_dim is None:
-            return 0, None
-        others = [d for d in range(self.mesh.ndim) if d != self.shard_dim]
-        return self.shard_dim, (others[0] if others else None)
+        return Ranks(group, self.mesh.size(dim), dist.get_rank(group))
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -53,36 +74,67 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
 
 def layout_of(p) -> Layout:
-    shards = [d for d, pl in enumerate(p.placements) if pl.is_shard()]
-    return Layout(p.device_mesh, tuple(p.placements), shards[0] if shards else None)
+    return Layout(p.device_mesh, tuple(p.placements))
 
 
 def check_param(p, where: str, kind: str, matrix_view: str) -> None:
     """Raises TypeError, naming `where` and the placements, unless the DTensor
     param `p` has a layout the optimizer steps correctly."""
-    from torch.distributed.tensor import Replicate, Shard
-
     placements = tuple(p.placements)
-    # _StridedShard subclasses Shard: its rows are interleaved, not a chunk.
-    ok = all(isinstance(pl, Replicate) or (type(pl) is Shard and pl.dim == 0) for pl in placements)
-    if not ok or sum(pl.is_shard() for pl in placements) > 1:
-        raise TypeError(f"{where} is a DTensor with placements {placements} on a mesh of shape "
-                        f"{tuple(p.device_mesh.shape)}: supported are Replicate() on every mesh dim (DDP) and "
-                        "Shard(0) on one mesh dim, Replicate() on the others (FSDP2, HSDP)")
+    for pl in placements:
+        if not (pl.is_replicate() or is_split(pl)):
+            raise TypeError(f"{where} is a DTensor with placements {placements} on a mesh of shape "
+                            f"{tuple(p.device_mesh.shape)}: a param cannot be {pl} (a pending reduction, not a "
+                            "value); supported are Replicate(), Shard(d) and _StridedShard(d) on any mesh dims")
     if p.dim() == 0:
         raise TypeError(f"{where} is a 0-dim DTensor; a scalar param cannot be sharded, use a plain tensor")
-    if kind == "muon" and p.dim() > 2 and matrix_view == "batch" and any(pl.is_shard() for pl in placements):
-        raise TypeError(f"{where} is a DTensor with placements {placements} under matrix_view='batch': Shard(0) "
-                        "would split the batch of matrices, not their rows; replicate it or use 'flatten'")
+    split = any(is_split(pl) for pl in placements)
+    if kind == "muon" and p.dim() > 2 and matrix_view == "batch" and split:
+        raise TypeError(f"{where} is a DTensor with placements {placements} under matrix_view='batch': a split "
+                        "would cut the batch of matrices or each matrix; replicate it or use 'flatten'")
 
 
-def chunk_rows(n: int, world: int) -> List[Tuple[int, int]]:
-    """(start, count) of dim 0's rows on each rank of a shard dim of `world` ranks (DTensor's chunk rule)."""
-    c = -(-n // world) if n else 0
-    return [(min(r * c, n), max(0, min((r + 1) * c, n) - r * c)) for r in range(world)]
+def dim_indices(size: int, tensor_dim: int, mesh_shape, placements, coordinate) -> torch.Tensor:
+    """The global indices along `tensor_dim` (of `size`) held by the rank at
+    mesh `coordinate`, in local order: DTensor's splits replayed, left to
+    right over the mesh dims, on an index vector (no communication)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    index = torch.arange(size)
+    for mesh_dim, pl in enumerate(placements):
+        if not is_split(pl) or pl.dim != tensor_dim:
+            continue
+        on_vector = _StridedShard(0, split_factor=pl.split_factor) if isinstance(pl, _StridedShard) else Shard(0)
+        pieces, _ = on_vector._split_tensor(index, mesh_shape[mesh_dim], with_padding=False, contiguous=True)
+        index = pieces[coordinate[mesh_dim]] if coordinate[mesh_dim] < len(pieces) else index[:0]
+    return index
+
+
+def index_set(index: torch.Tensor) -> IndexSet:
+    """`index` as a slice when its entries are consecutive, else itself."""
+    n = index.numel()
+    if n == 0:
+        return slice(0, 0)
+    start = int(index[0])
+    if int(index[-1]) - start + 1 == n and bool((index.diff() == 1).all()):
+        return slice(start, start + n)
+    return index
+
+
+def expected_local_shape(p) -> Tuple[int, ...]:
+    """The local shape DTensor's rules give this rank for the DTensor `p`."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    return tuple(compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements, skip_offset=True)[0])
 
 
 def holds_full(p) -> bool:
     """Whether this rank's local part of the DTensor `p` is the whole tensor."""
-    layout = layout_of(p)
-    return layout.shard_dim is None or layout.mesh.size(layout.shard_dim) == 1
+    return not layout_of(p).split_dims
+
+
+def coordinate_of(mesh, global_rank: int) -> Optional[List[int]]:
+    """The mesh coordinate of `global_rank`, or None where it is not in `mesh`."""
+    found = (mesh.mesh == global_rank).nonzero()
+    return found[0].tolist() if found.numel() else None

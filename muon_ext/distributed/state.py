@@ -3,8 +3,8 @@
 State shaped like the param takes the param's placements, so a shard's
 moments sit beside its rows. The step counter (shape ()) is replicated.
 NorMuon's second moment of a matrix with rows >= cols is (rows, 1): one
-statistic per row, sharded like the param (dim 0 splits by the same chunk
-rule, so each rank holds its rows' statistics). With rows < cols it is
+statistic per row, split like the param's dim 0 and replicated over the mesh
+dims that split other dims (so each rank holds its rows' statistics). With rows < cols it is
 (1, cols) and replicated: every rank holds the whole vector and the owner of
 the matrix sends its update to all of them (exchange.py). Both reshard
 correctly under torch.distributed.checkpoint.
@@ -18,9 +18,9 @@ import torch
 from .._types import ParamInfo, is_dtensor
 from .. import ops
 from .._shapes import matrix_shape
-from .placements import chunk_rows, layout_of, local
+from .placements import is_split, layout_of, local
 
-__all__ = ["zeros", "wrap", "check_values", "stats_follow_rows", "expected_rows"]
+__all__ = ["zeros", "wrap", "check_values", "stats_follow_rows"]
 
 
 def stats_follow_rows(p, matrix_view: str) -> bool:
@@ -30,20 +30,25 @@ def stats_follow_rows(p, matrix_view: str) -> bool:
     return rows >= cols
 
 
-def zeros(p, shape, dtype: torch.dtype, like_param: bool = True):
-    """A zero DTensor of global `shape` on `p`'s mesh, placed like `p` (dim 0
-    split as `p`'s rows) where `like_param`, replicated otherwise."""
+def zeros(p, shape, dtype: torch.dtype, like_param: bool = True, rows_only: bool = False):
+    """A zero DTensor of global `shape` on `p`'s mesh: placed like `p` where
+    `like_param` (param-shaped state), with only the splits of `p`'s dim 0 where
+    also `rows_only` (NorMuon's (rows, 1) statistics: each rank holds its
+    rows'), replicated otherwise."""
     from torch.distributed.tensor import DTensor, Replicate
 
     shape = tuple(shape)
     layout = layout_of(p)
-    if like_param and len(shape) > 0:
-        placements = layout.placements
-        local_shape = tuple(local(p).shape[:1]) + shape[1:]
+    lp = local(p)
+    if like_param and not rows_only:
+        placements, local_shape = layout.placements, tuple(lp.shape)
+    elif like_param:
+        placements = tuple(pl if is_split(pl) and pl.dim == 0 else Replicate() for pl in layout.placements)
+        local_shape = tuple(lp.shape[:1]) + shape[1:]
     else:
         placements = (Replicate(),) * layout.mesh.ndim
         local_shape = shape
-    t = torch.zeros(local_shape, dtype=dtype, device=local(p).device)
+    t = torch.zeros(local_shape, dtype=dtype, device=lp.device)
     return DTensor.from_local(t, layout.mesh, placements, run_check=False, shape=torch.Size(shape),
                               stride=torch.empty(shape, device="meta").stride())
 
@@ -87,11 +92,3 @@ def check_values(info: ParamInfo, values) -> None:
     if problem:
         raise ValueError(f"update_param: values for {info.name}: {problem}")
 
-
-def expected_rows(p) -> int:
-    """Rows of dim 0 this rank should hold under DTensor's chunk rule."""
-    layout = layout_of(p)
-    if layout.shard_dim is None:
-        return p.shape[0]
-    shard = layout.ranks(layout.shard_dim)
-    return chunk_rows(p.shape[0], shard.size)[shard.rank][1]

@@ -15,7 +15,9 @@ their params.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, List, Mapping, NamedTuple, Optional, Tuple
+import math
+import zlib
+from typing import Callable, Dict, List, Mapping, NamedTuple, Tuple
 
 import torch
 import torch.distributed as dist
@@ -27,8 +29,9 @@ from .._types import ParamInfo, is_dtensor
 from ..schema import SUPPORTED_DTYPES
 from .agreement import step_digest
 from .exchange import exchange_replicated, exchange_sharded
-from .placements import Layout, layout_of, local
-from .state import expected_rows, stats_follow_rows
+from .placements import Layout, expected_local_shape, is_split, layout_of, local
+from .shard_group import ShardGroup, shard_group
+from .state import stats_follow_rows
 
 __all__ = ["DistributedStep", "dtensor_infos", "agree_on_checks"]
 
@@ -46,10 +49,14 @@ class _Entry(NamedTuple):
 class DistributedStep:
     """Plans and runs the DTensor params' part of `MuonAdamW.step`.
     `bytes_sent`: bytes this rank has sent to other ranks in Muon exchanges
-    (all steps; the small agreement collective is not counted)."""
+    (all steps; the small agreement collective is not counted);
+    `polar_flops`: the Polar-Express FLOPs of the matrices this rank
+    orthogonalized in them (per iteration 4 m^2 n + 2 m^3, m <= n)."""
 
     def __init__(self):
         self.bytes_sent = 0
+        self.polar_flops = 0  # Polar-Express FLOPs of the matrices this rank orthogonalized in exchanges
+        self._shard_groups: Dict[Tuple, ShardGroup] = {}  # (layout, param shape) -> its shard group
         self._dinfos: List[ParamInfo] = []
         self._seen = 0  # how many infos _dinfos was taken from (the table only grows: add_param_group)
 
@@ -64,9 +71,10 @@ class DistributedStep:
         given) tagged by their position in `infos`."""
         for position, info in enumerate(infos):
             p, lp = info.param, local(info.param)
-            if lp.dim() and lp.shape[0] != expected_rows(p):
-                raise ValueError(f"{info.name} holds {lp.shape[0]} rows on this rank; DTensor's chunk rule gives "
-                                 f"{expected_rows(p)} (placements {tuple(p.placements)}, shape {tuple(p.shape)})")
+            if tuple(lp.shape) != expected_local_shape(p):
+                raise ValueError(f"{info.name} has local shape {tuple(lp.shape)} on this rank; DTensor's placement "
+                                 f"rules give {expected_local_shape(p)} (placements {tuple(p.placements)}, shape "
+                                 f"{tuple(p.shape)})")
             entry = tensors.get(p, {})
             for key, value in entry.items():
                 if isinstance(value, torch.Tensor) and not is_dtensor(value):
@@ -92,7 +100,11 @@ class DistributedStep:
                                      f"{tuple(stat.shape)} ({stat.dtype}, {stat.device}), expected {want} "
                                      f"(torch.float32, contiguous, {lp.device})")
 
-    def _grad(self, info: ParamInfo, grad_attr: str) -> Optional[torch.Tensor]:
+    def _grad(self, info: ParamInfo, grad_attr: str):
+        """The param's DTensor grad, checked (None where it has none). Its
+        placements may differ from the param's (a Partial(sum) grad of a
+        replicated norm weight under SequenceParallel, a replicated grad of a
+        Shard(0) embedding): `_local_grads` redistributes it after the agreement."""
         p = info.param
         g = getattr(p, grad_attr, None)
         if g is None:
@@ -100,21 +112,39 @@ class DistributedStep:
         if not is_dtensor(g):
             raise TypeError(f"{info.name}: {grad_attr} is a {type(g).__name__}; a DTensor param needs a DTensor "
                             "grad")
-        if tuple(g.placements) != tuple(p.placements) or g.device_mesh != p.device_mesh:
-            raise ValueError(f"{info.name}: {grad_attr} has placements {tuple(g.placements)}, the param "
-                             f"{tuple(p.placements)} (reduce Partial grads before stepping)")
+        if g.device_mesh != p.device_mesh:
+            raise ValueError(f"{info.name}: {grad_attr} is on mesh {g.device_mesh}, the param on {p.device_mesh}")
+        if tuple(g.shape) != tuple(p.shape):
+            raise ValueError(f"{info.name}: {grad_attr} has shape {tuple(g.shape)}, the param {tuple(p.shape)}")
         lg, lp = local(g), local(p)
         if lg.layout != torch.strided:
             raise TypeError(f"{info.name}: {grad_attr} has layout {lg.layout}; sparse gradients are not supported")
         if lg.dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{info.name}: {grad_attr} has dtype {lg.dtype}; supported: float32, bfloat16, float16")
-        if lg.shape != lp.shape or lg.device != lp.device:
-            raise ValueError(f"{info.name}: {grad_attr} has local shape {tuple(lg.shape)} on {lg.device}, the "
-                             f"param {tuple(lp.shape)} on {lp.device}")
+        if lg.device != lp.device:
+            raise ValueError(f"{info.name}: {grad_attr} is on {lg.device}, the param on {lp.device}")
+        if tuple(g.placements) == tuple(p.placements) and lg.shape != lp.shape:
+            raise ValueError(f"{info.name}: {grad_attr} has local shape {tuple(lg.shape)}, the param "
+                             f"{tuple(lp.shape)}")
         problem = ops.storage_problem(lg)
         if problem:
             raise ValueError(f"{info.name}: {grad_attr}: {problem}")
-        return lg.contiguous()
+        return g
+
+    @staticmethod
+    def _local_grads(infos: List[ParamInfo], grads: Dict) -> Dict:
+        """Each grad's local part on the param's placements, contiguous: a grad
+        placed otherwise is redistributed first, as DTensor's own ops would (a
+        collective over its mesh; every rank runs them in param order)."""
+        out = {}
+        for info in infos:
+            g = grads.get(id(info.param))
+            if g is None:
+                continue
+            if tuple(g.placements) != tuple(info.param.placements):
+                g = g.redistribute(info.param.device_mesh, info.param.placements)
+            out[id(info.param)] = local(g).contiguous()
+        return out
 
     # -- plan -------------------------------------------------------------
 
@@ -153,10 +183,14 @@ class DistributedStep:
             raise error
         if failed:
             return None
-        return _work(dinfos, grads, groups)
+        return _work(dinfos, self._local_grads(dinfos, grads), groups)
 
     def _agree(self, infos: List[ParamInfo], grads: Dict, refused: bool, grad_attr: str, groups: List[dict],
                scaler: bool) -> None:
+        """One all_reduce per mesh of [refused, GradScaler present, a digest of
+        the groups' settings and its square, then per param: grad present, a
+        code of its grad's placements and its square]: every rank sees the same
+        sums, so every rank takes the same decision."""
         by_mesh: Dict[object, List[ParamInfo]] = {}
         for info in infos:
             by_mesh.setdefault(info.param.device_mesh, []).append(info)
@@ -166,29 +200,36 @@ class DistributedStep:
             # without another collective (agreement.step_digest); settings edited on one rank only would
             # otherwise post mismatched exchanges.
             digest = step_digest(groups, sorted({i.group for i in members}), scaler)
+            present = [grads.get(id(i.param)) is not None for i in members]
+            codes = [_placements_code(grads[id(i.param)].placements) if here else 0
+                     for i, here in zip(members, present)]
             bits = torch.tensor([int(refused), int(scaler), digest, digest * digest]
-                                + [int(grads.get(id(i.param)) is not None) for i in members],
+                                + [int(here) for here in present] + codes + [c * c for c in codes],
                                 dtype=torch.int64, device=device)
             _all_reduce_over(mesh, bits)
-            counts = bits.tolist()
-            if counts[0]:
+            sums = bits.tolist()
+            if sums[0]:
                 if refused:
                     return  # this rank raises its own error
                 raise RuntimeError("MuonAdamW.step: the step was refused on another rank (see its error); nothing "
                                    "was written on any rank")
-            if 0 < counts[1] < mesh.size():
-                raise ValueError(f"MuonAdamW.step: a GradScaler drives this step on {counts[1]} of {mesh.size()} "
+            if 0 < sums[1] < mesh.size():
+                raise ValueError(f"MuonAdamW.step: a GradScaler drives this step on {sums[1]} of {mesh.size()} "
                                  "ranks; use one on every rank or on none; nothing was written on any rank")
-            if mesh.size() * counts[3] != counts[2] * counts[2]:
+            if mesh.size() * sums[3] != sums[2] * sums[2]:
                 raise ValueError("MuonAdamW.step: the group settings of the DTensor params differ across ranks "
                                  "(edited on some ranks only?); their exchanges would not match; nothing was "
                                  "written on any rank")
-            counts = counts[:1] + counts[4:]
-            for info, count in zip(members, counts[1:]):
+            n, base = len(members), 4
+            for k, info in enumerate(members):
+                count, total, squares = sums[base + k], sums[base + n + k], sums[base + 2 * n + k]
                 if 0 < count < mesh.size():
                     raise ValueError(f"MuonAdamW.step: {info.name} has a {grad_attr} on {count} of {mesh.size()} "
                                      "ranks of its mesh; a DTensor param's grad must be present on every rank or "
                                      "on none (then it is skipped); nothing was written on any rank")
+                if count * squares != total * total:  # equal codes everywhere exactly when (sum c)^2 == n sum c^2
+                    raise ValueError(f"MuonAdamW.step: {info.name}'s {grad_attr} has different placements on "
+                                     f"different ranks of its mesh; nothing was written on any rank")
 
     # -- run --------------------------------------------------------------
 
@@ -231,6 +272,12 @@ class DistributedStep:
                 adam_w_mode=group["adam_w_mode"], bias_correction=group["bias_correction"], inv_scale=inv_scale,
                 found_inf=found_inf)
 
+    def _shard_group(self, layout: Layout, shape: Tuple[int, ...]) -> ShardGroup:
+        key = (layout, shape)
+        if key not in self._shard_groups:
+            self._shard_groups[key] = shard_group(layout, shape)
+        return self._shard_groups[key]
+
     def _muon(self, group: dict, rows: int, cols: int, entries: List[_Entry], states, max_workspace_bytes: int,
               inv_scale, found_inf) -> None:
         view = group["matrix_view"]
@@ -240,14 +287,13 @@ class DistributedStep:
             for e in entries:
                 if "second_momentum_buffer" not in tensors[e.info.param]:  # beta2 switched on after construction
                     states.init(e.info, group)
-        sharded = layout.shard_dim is not None
-        first, second = layout.work_dims()
+        split, replicas = layout.split_dims, layout.replicate_dims
 
-        def mat(t):  # the kernels' view; a row shard is [local rows, cols]
-            return t.reshape(t.shape[0], cols) if sharded else as_matrices(t, view)
+        def mat(t):  # the kernels' view; a rank's block of a split matrix is [local rows, local cols]
+            return t.reshape(t.shape[0], math.prod(t.shape[1:])) if split else as_matrices(t, view)
 
         moms = [mat(local(tensors[e.info.param]["momentum_buffer"])) for e in entries]
-        if layout.mesh.size(first) == 1:  # every matrix is whole here: the fused single-device step, same bits
+        if not split and not replicas:  # every matrix is whole here, no one to share with: the fused step, same bits
             self._muon_fused(group, entries, moms, mat, tensors, inv_scale, found_inf, max_workspace_bytes)
             return
         updates = [m.new_empty(m.shape) for m in moms]
@@ -263,17 +309,19 @@ class DistributedStep:
             ops.muon_orthogonalize(whole, whole_stats, beta2=group["beta2"], ns_steps=group["ns_steps"],
                                    ns_coefficients=group["ns_coefficients"], max_workspace_bytes=max_workspace_bytes,
                                    polar_dtype=group["polar_dtype"], found_inf=found_inf)
+            self.polar_flops += len(whole) * _polar_flops(rows, cols, group["ns_steps"])
 
-        if not sharded:
-            self.bytes_sent += exchange_replicated(layout.ranks(first), updates, stats, orthogonalize)
+        if not split:  # replicated: the first replicate dim splits the work (any others repeat it)
+            self.bytes_sent += exchange_replicated(layout.ranks(replicas[0]), updates, stats, orthogonalize)
         else:
             stats_sharded = bool(stats) and stats_follow_rows(entries[0].info.param, view)
+            shards = self._shard_group(layout, tuple(entries[0].info.param.shape))
 
             def in_shard_group(ups: List[torch.Tensor], sts: List[torch.Tensor]) -> int:
-                return exchange_sharded(layout.ranks(first), rows, cols, ups, sts, stats_sharded, orthogonalize)
+                return exchange_sharded(shards, rows, cols, ups, sts, stats_sharded, orthogonalize)
 
-            if second is not None and layout.mesh.size(second) > 1:  # HSDP: the replicas split the matrices too
-                self.bytes_sent += exchange_replicated(layout.ranks(second), updates, stats, in_shard_group)
+            if replicas:  # HSDP (x TP): the replicas split the matrices too
+                self.bytes_sent += exchange_replicated(layout.ranks(replicas[0]), updates, stats, in_shard_group)
             else:
                 self.bytes_sent += in_shard_group(updates, stats)
         for batch in _batches(list(range(len(entries))), lambda i: (entries[i].param.dtype, entries[i].info.master)):
@@ -319,6 +367,16 @@ def agree_on_checks(param, checks: Callable[[], None], what: str) -> None:
                            "any rank")
 
 
+def _polar_flops(rows: int, cols: int, steps: int) -> int:
+    m, n = min(rows, cols), max(rows, cols)
+    return steps * (4 * m * m * n + 2 * m ** 3)
+
+
+def _placements_code(placements) -> int:
+    """A small positive code of a grad's placements, compared across ranks (a mismatch is an SPMD bug)."""
+    return zlib.crc32(repr(tuple(placements)).encode()) % 65521 + 1
+
+
 def _all_reduce_over(mesh, t: torch.Tensor) -> None:
     """Sums `t` over every rank of `mesh`: one collective (over the default group where the mesh spans it)."""
     if mesh.size() == dist.get_world_size():
@@ -344,6 +402,8 @@ def _work(infos: List[ParamInfo], grads: Dict, groups: List[dict]):
             p = info.param
             rows, cols = matrix_shape(p, groups[info.group]["matrix_view"], info.name)
             view_shape = tuple(p.shape) if (groups[info.group]["matrix_view"] == "batch" and p.dim() > 2) else ()
+            if any(is_split(pl) and pl.dim > 0 for pl in p.placements):  # blocks depend on the shape, not just
+                view_shape = tuple(p.shape)  # rows and cols: (6, 2, 3) and (6, 6) split on dim 1 differ
             key = (info.group, rows, cols, tuple(p.placements), p.device_mesh) + ((view_shape,) if view_shape else ())
             muon.setdefault(key, []).append(entry)
     return list(adamw.items()), [(k[:5], v) for k, v in muon.items()]

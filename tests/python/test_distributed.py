@@ -1,19 +1,20 @@
 """Distributed MuonAdamW on gloo, in three spawned jobs (W = 2, 4, 1) that
-each run many cases (tests/python/distributed_cases.py), so CI spawns few
+each run many cases (tests/python/support/distributed_cases.py), so CI spawns few
 processes. DTensor params with Shard(0) (FSDP2), (Replicate(), Shard(0))
-(HSDP) and Replicate() (DDP) step like the single-process optimizer, bit for
+(HSDP), Replicate() (DDP) and tensor-parallel layouts (tp_cases.py) step like the single-process optimizer, bit for
 bit on the CPU; refusals are raised on every rank; DCP checkpoints move
 between world sizes. Every job runs under a collective timeout and a join
 deadline (dist_helpers.spawn), so a hang fails."""
 
 import pytest
 
-import distributed_cases as cases
-from dist_helpers import spawn
+from support import distributed_cases as cases
+from support import tp_cases
+from support.dist_helpers import spawn
 
 W2_CASES = [(cases.sharded_matches_single_process, (2,)), (cases.none_grads_and_refusals, (2,)),
             (cases.update_param_with_dtensors, (2,)), (cases.fsdp2_matches_unsharded, (2,)),
-            (cases.dcp_save, (2,))]
+            (tp_cases.tp_matches_single_process, "tp"), (cases.dcp_save, (2,))]
 W4_CASES = [(cases.sharded_matches_single_process, (4,)), (cases.sharded_matches_single_process, (2, 2)),
             (cases.none_grads_and_refusals, (2, 2)), (cases.update_param_with_dtensors, (2, 2)),
             (cases.fsdp2_matches_unsharded, (4,)), (cases.fsdp2_matches_unsharded, (2, 2)),
@@ -33,7 +34,9 @@ def w2_checkpoint(tmp_path_factory):
 def test_world_2_fsdp_steps_refusals_update_param_and_dcp_save(w2_checkpoint):
     """Sharded / replicated Muon and AdamW == single process; None grads and
     one-rank refusals; update_param with DTensors; fully_shard transformer;
-    then a DCP save (at step 2) for the resume tests."""
+    TP=2 on a DeviceMesh.from_group mesh (Shard(1), Shard(0), _StridedShard,
+    Partial and Replicate grads) == single process; then a DCP save (at step 2)
+    for the resume tests."""
     assert w2_checkpoint
 
 

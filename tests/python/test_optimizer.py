@@ -7,18 +7,12 @@ import pickle
 import pytest
 import torch
 
-from helpers import assert_bit_equal, assert_optimizer_unchanged, bits, optimizer_snapshot, optimizer_tensors
-from muon_ext import MuonAdamW, ops
-from optimizer_helpers import MuonTwin, adamw_hyper, as_params, bf16_values, grad_seq, muon_hyper, set_grads
-from muon_helpers import stat_shape
+from support.helpers import assert_bit_equal, assert_optimizer_unchanged, bits, optimizer_snapshot, optimizer_tensors
+from muon_ext import MuonAdamW, ops, reference
+from support.optimizer_helpers import MuonTwin, adamw_hyper, as_params, bf16_values, grad_seq, muon_hyper, set_grads
+from support.muon_helpers import stat_shape
 
-POLAR_EXPRESS = (
-    (8.156554524902461, -22.48329292557795, 15.878769915207462),
-    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
-    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
-    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
-    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
-)
+POLAR_EXPRESS = reference.POLAR_EXPRESS_COEFFICIENTS
 
 
 # ---------------------------------------------------------------------------
@@ -199,17 +193,20 @@ def gloo_world(tmp_path):
 
 
 def test_unsupported_dtensor_placements_are_refused(gloo_world):
-    """DTensor params with placements other than Replicate() / Shard(0) raise at
-    construction and in add_param_group, naming group, param and placements;
-    DTensor values for a plain param are refused (tests/python/test_distributed*.py
-    cover the supported layouts)."""
+    """A Partial DTensor param, and a split batch of matrices (matrix_view
+    "batch"), raise at construction and in add_param_group, naming group,
+    param and placements; Shard(1) is accepted; DTensor values for a plain
+    param are refused (tests/python/test_distributed*.py cover the supported
+    layouts)."""
     from torch.distributed.tensor import Partial, Shard, distribute_tensor
 
-    d = torch.nn.Parameter(distribute_tensor(torch.randn(8, 4), gloo_world, [Shard(1)]))
+    d = torch.nn.Parameter(distribute_tensor(torch.randn(3, 8, 4), gloo_world, [Shard(1)]))
     before = bits(d.to_local()).clone()
     with pytest.raises(TypeError) as exc:
-        MuonAdamW([{"params": [_GOOD], "kind": "muon"}, {"params": [d], "kind": "muon", "param_names": ["wd"]}])
-    _check_message(exc, ["param group 1 (muon), param 0 'wd'", "DTensor", "Shard(dim=1)"])
+        MuonAdamW([{"params": [_GOOD], "kind": "muon"}, {"params": [d], "kind": "muon", "param_names": ["wd"],
+                                                          "matrix_view": "batch"}])
+    _check_message(exc, ["param group 1 (muon), param 0 'wd'", "DTensor", "Shard(dim=1)", "matrix_view='batch'"])
+    MuonAdamW([{"params": [distribute_tensor(torch.randn(8, 4), gloo_world, [Shard(1)])], "kind": "muon"}])
     opt = MuonAdamW([{"params": [_GOOD], "kind": "muon"}])
     snap = optimizer_snapshot(opt)
     partial = torch.distributed.tensor.DTensor.from_local(torch.randn(8, 4), gloo_world, [Partial()])

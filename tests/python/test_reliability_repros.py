@@ -14,7 +14,7 @@ import torch
 import muon_ext
 from muon_ext import quantized
 from muon_ext.writers import ParamWriterError
-from optimizer_snapshot import snapshot
+from support.optimizer_snapshot import snapshot
 
 
 def _bf16(shape, seed):

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import muon_ext
-from helpers import assert_bit_equal, bits
-from optimizer_helpers import bf16_values, grad_seq
+from support.helpers import assert_bit_equal, bits
+from support.optimizer_helpers import bf16_values, grad_seq
 
 SHAPES = [(8, 16), (8, 16), (12,)]
 

@@ -6,11 +6,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from dist_helpers import assert_same_on_every_rank, bits
+from support.dist_helpers import assert_same_on_every_rank, bits
 from muon_ext import MuonAdamW
-from muon_ext.distributed.placements import chunk_rows
 
 # Muon matrices per exchange group: wide, tall, square, rows % W != 0, rows < W,
 # a group of three (N % W != 0, N < W at W = 4), a group of one (N < W).
@@ -21,15 +20,10 @@ STEPS = 3
 
 
 def dtensor(full, mesh, placements):
-    """`full` as a DTensor with `placements` (Replicate / Shard(0)), cut locally: no communication, so one rank
-    alone may call it (distribute_tensor is a collective)."""
-    local = full.to(mesh.device_type)
-    for dim, pl in enumerate(placements):
-        if pl.is_shard():
-            start, count = chunk_rows(full.shape[0], mesh.size(dim))[mesh.get_local_rank(dim)]
-            local = full[start:start + count]
-    return DTensor.from_local(local.clone(), mesh, placements, run_check=False, shape=full.shape,
-                              stride=full.stride())
+    """`full` as a DTensor with `placements` (any Replicate / Shard / _StridedShard), cut locally by DTensor's
+    own rules: no communication, so one rank alone may call it (distribute_tensor with a source rank is a
+    collective)."""
+    return distribute_tensor(full.to(mesh.device_type).clone(), mesh, placements, src_data_rank=None)
 
 
 def meshes(shape):
@@ -180,9 +174,11 @@ def none_grads_and_refusals(rank, world, mesh_shape, *_):
             b.grad = None
         _raises_everywhere(opt, rank, ValueError, f"has a grad on {world - 1} of {world} ranks", "", None)
     grads()
-    if rank == 0:
-        w.grad = dtensor(torch.randn(6, 4, generator=gen), mesh, rep)  # e.g. not reduce-scattered
-    _raises_everywhere(opt, rank, ValueError, "grad has placements", "refused on another rank", 0)
+    if world > 1:  # a grad placed otherwise on one rank only (an SPMD bug): refused on every rank
+        if rank == 0:
+            w.grad = dtensor(torch.randn(6, 4, generator=gen), mesh, rep)
+        _raises_everywhere(opt, rank, ValueError, "has different placements on different ranks", "", None)
+        grads()
     grads()
     if rank == world - 1:  # the plain planner refuses on this rank only
         opt.param_groups[1]["lr"] = -1.0
