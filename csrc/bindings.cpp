@@ -63,8 +63,10 @@ struct StateRule {
 
 enum class MatrixView { kNone, kError, kFlatten, kBatch };
 
-MatrixView parse_view(int64_t rows, const std::string& view) {
-  if (rows <= 0) return MatrixView::kNone;
+// "" for params that are not Muon matrices (AdamW). Not decided by rows: a
+// Muon param may have matrices of 0 rows (shape (3, 0, 7) under "batch").
+MatrixView parse_view(const std::string& view) {
+  if (view.empty()) return MatrixView::kNone;
   if (view == "flatten") return MatrixView::kFlatten;
   if (view == "batch") return MatrixView::kBatch;
   return MatrixView::kError;
@@ -168,8 +170,8 @@ int64_t state_range_index(Py_ssize_t i, size_t rule, size_t rules) {
 }
 
 // The optimizer's check of one bucket: params of one dtype and device (and,
-// for Muon, one matrix shape `rows` x `cols` under `matrix_view`; rows = 0
-// for AdamW), their state in the mapping `state` under `rules` ((key, dtype or
+// for Muon, one matrix shape `rows` x `cols` under `matrix_view`; matrix_view
+// "" for AdamW), their state in the mapping `state` under `rules` ((key, dtype or
 // None, StateShape, required) tuples), and, when `grad_attr` is a name, their
 // grads.  Params are recorded in `ranges` (when given) as (`bucket`, index),
 // and the state tensors of rules with a dtype as (`bucket`,
@@ -198,7 +200,7 @@ py::tuple check_bucket(const py::list& params, const py::object& grad_attr, cons
     rule.required = t[3].cast<bool>();
     rules.push_back(std::move(rule));
   }
-  const MatrixView view = parse_view(rows, matrix_view);
+  const MatrixView view = parse_view(matrix_view);
   const bool with_grads = !grad_attr.is_none();
   const Py_ssize_t n = PyList_GET_SIZE(params.ptr());
   py::list grads(with_grads ? n : 0);

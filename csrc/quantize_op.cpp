@@ -2,6 +2,7 @@
 // anything is written, then the CPU or CUDA kernel (csrc/quantize_ops.h).
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <utility>
 #include <vector>
 
@@ -13,7 +14,8 @@ namespace {
 
 constexpr const char* kOp = "quantize_fp8";
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+// Overflow-free for any a >= 0, b > 0 (a + b - 1 wraps for b near INT64_MAX).
+int64_t ceil_div(int64_t a, int64_t b) { return a / b + (a % b != 0); }
 
 // The tensor an output must match: dtype, device, shape, contiguous, storage.
 void check_output(const at::Tensor& t, const char* name, at::ScalarType dtype, const at::Device& device,
@@ -41,8 +43,11 @@ QuantizeFp8Args check_args(const at::Tensor& master, at::OptionalIntArrayRef blo
                       ": block must be two positive ints (rows, cols) or None, got ", *block);
     TORCH_CHECK_VALUE(master.dim() == 2, kOp, ": block=", *block, " needs a 2-D master, got shape ", master.sizes(),
                       " (block=None gives one scale for any shape)");
-    args.block_rows = (*block)[0];
-    args.block_cols = (*block)[1];
+    // A block larger than the matrix covers all of it: clamp to the matrix, so
+    // that no product or sum of block sizes in the kernels can overflow (a
+    // block area wrapping to 0 divided by zero; a wrapped ceil_div wrote nothing).
+    args.block_rows = std::min<int64_t>((*block)[0], std::max<int64_t>(master.size(0), 1));
+    args.block_cols = std::min<int64_t>((*block)[1], std::max<int64_t>(master.size(1), 1));
     scale_shape = {ceil_div(master.size(0), args.block_rows), ceil_div(master.size(1), args.block_cols)};
   }
   check_output(out, "out", at::kFloat8_e4m3fn, master.device(), master.sizes());

@@ -386,6 +386,16 @@ def plot(runs: Dict[str, List[dict]], path: Path) -> bool:
                     label=label)
     by_step.set(xlabel="step", ylabel="loss (line: train, dots: held-out)", yscale="log")
     by_time.set(xlabel="training time (s, log scale)", xscale="log")  # runs may differ in speed severalfold
+    # Log axes label only 1, 2 and 5 per decade, as plain numbers: matplotlib's default labels
+    # minor ticks too when an axis spans less than a decade, and they collide.
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+    for axis in (by_step.yaxis, by_time.xaxis):
+        axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        axis.set_minor_formatter(NullFormatter())
+    eval_times = [r["train_seconds"] for recs in runs.values() for r in recs if "eval_loss" in r]
+    if eval_times:  # the first steps' sub-second times would crowd the axis with empty decades
+        by_time.set_xlim(left=0.5 * min(eval_times))
     by_step.legend()
     for ax in (by_step, by_time):
         ax.grid(alpha=0.3, which="both")

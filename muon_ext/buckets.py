@@ -118,7 +118,7 @@ class StepPlanner:
         checked, bucket_rules = [], []
         for b, (bucket, spec) in enumerate(zip(buckets, self._specs)):
             group = groups[bucket.group]
-            view = group.get("matrix_view", "")
+            view = group["matrix_view"] if bucket.kind == "muon" else ""  # "": not matrices
             if not bucket.writes_params:
                 for p in bucket.params:
                     check_released(infos[id(p)], "")

@@ -12,7 +12,7 @@ be loaded before or after (docs/design.md, "Checkpoints").
 from __future__ import annotations
 
 import copy
-from typing import Dict, List
+from typing import Dict, List, NamedTuple
 
 import torch
 
@@ -22,7 +22,7 @@ from .schema import check_hyper, check_lr_value
 from .state import OptimizerState
 from .writers import storage_held
 
-__all__ = ["state_dict", "load_state_dict"]
+__all__ = ["state_dict", "load_state_dict", "check_state_dict", "apply_state_dict", "CheckedStateDict"]
 
 _FP32_STATE = ("exp_avg", "exp_avg_sq", "momentum_buffer", "second_momentum_buffer")
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
@@ -51,6 +51,17 @@ def load_state_dict(groups: List[dict], states: OptimizerState, saved_dict: dict
     """Validates `saved_dict` against the optimizer's `groups` and `states`,
     then loads it: group settings, then each param's state and master. A tensor
     lr of a capturable optimizer is written in place."""
+    apply_state_dict(groups, states, check_state_dict(groups, states, saved_dict), capturable=capturable)
+
+
+class CheckedStateDict(NamedTuple):
+    saved_groups: List[dict]  # deep copies of the saved groups
+    merged_groups: List[dict]  # each optimizer group with the saved settings over it, as it will be
+    plan: List[tuple]  # (param's info, saved entry)
+
+
+def check_state_dict(groups: List[dict], states: OptimizerState, saved_dict: dict) -> CheckedStateDict:
+    """Every check of `load_state_dict`; writes nothing."""
     if not isinstance(saved_dict, dict):
         raise TypeError(f"load_state_dict: expected a dict, got {type(saved_dict).__name__}")
     saved_groups = saved_dict.get("param_groups")
@@ -62,6 +73,7 @@ def load_state_dict(groups: List[dict], states: OptimizerState, saved_dict: dict
         raise ValueError(f"load_state_dict: the state dict has {len(saved_groups)} param groups, "
                          f"the optimizer {len(groups)}")
     plan: List[tuple] = []  # (param's info, saved entry)
+    merged_groups: List[dict] = []
     for gi, (saved, group) in enumerate(zip(saved_groups, groups)):
         if not isinstance(saved, dict):
             raise TypeError(f"load_state_dict: param group {gi} must be a dict, got {type(saved).__name__}")
@@ -78,6 +90,7 @@ def load_state_dict(groups: List[dict], states: OptimizerState, saved_dict: dict
             # A tensor lr saved on another device (a capturable run, another rank) lands on this group's.
             saved["lr"] = saved["lr"].detach().to(group["params"][0].device, torch.float32)
         merged = dict(group, **{k: v for k, v in saved.items() if k != "params"})
+        merged_groups.append(merged)
         check_hyper(gi, merged)
         if isinstance(merged["lr"], torch.Tensor):
             # Its value too (a device-to-host read on GPUs, once per load): a
@@ -91,7 +104,13 @@ def load_state_dict(groups: List[dict], states: OptimizerState, saved_dict: dict
             entry = saved_state.get(key, {})
             _check_entry(info, entry, merged)
             plan.append((info, entry))
+    return CheckedStateDict(saved_groups, merged_groups, plan)
 
+
+def apply_state_dict(groups: List[dict], states: OptimizerState, checked: CheckedStateDict, *,
+                     capturable: bool) -> None:
+    """Loads a state dict that `check_state_dict` accepted."""
+    saved_groups, plan = checked.saved_groups, checked.plan
     for saved, group in zip(saved_groups, groups):
         lr = group["lr"]
         group.update({k: v for k, v in saved.items() if k != "params"})

@@ -29,7 +29,7 @@ def param_groups(
     matrix_view: str = "flatten",
     **muon_options,
 ) -> List[dict]:
-    """Seed-schema groups for MuonAdamW: every trainable param of rank >= 2 goes
+    """Param groups for MuonAdamW: every trainable param of rank >= 2 goes
     to Muon (any layer type, not only nn.Linear), except embeddings and the
     output head (nn.Embedding weights, params tied to them, and names matching
     the default embedding/head patterns); norms, biases and scalars go to AdamW.

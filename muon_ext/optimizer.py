@@ -11,6 +11,7 @@ group of same-layout matrices.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from typing import Callable, Dict, Iterable, List, Optional
 
@@ -23,15 +24,16 @@ from ._types import ParamInfo, WorkItem, is_dtensor
 from .amp import GradScalerInputs, capturing, device_lr
 from .buckets import StepPlanner
 from .offload import StagedState, check_offload
+from .distributed import agreement
 from .distributed.placements import holds_full, local
 from .distributed.step import DistributedStep, agree_on_checks, dtensor_infos
-from .state import OptimizerState, check_master_values
+from .state import OptimizerState, check_master_values, master_mode
 
 __all__ = ["MuonAdamW"]
 
 
 class MuonAdamW(torch.optim.Optimizer):
-    """Muon + AdamW over seed-schema param groups (see docs/design.md, "Public Python API").
+    """Muon + AdamW over `{"params", "kind": "muon" | "adamw", ...}` param groups (see docs/design.md, "Public Python API").
 
     Args:
         params: groups `{"params": [...], "kind": "muon" | "adamw", ...}`; missing
@@ -133,17 +135,30 @@ class MuonAdamW(torch.optim.Optimizer):
             if self._offload is not None:
                 self._offload.tensors = self.state
         index = len(self.param_groups)
-        group, names = schema.new_group(index, param_group)
-        schema.check_group(index, group, names, self._states.infos)
-        if self._offload is not None:
-            self._offload.check_group(index, group, names)
-        params = group["params"]
-        if self.capturable:
-            devices = {p.device for p in params}
-            if len(devices) > 1:
-                raise ValueError(f"param group {index}: with capturable=True a group's params must share one device "
-                                 f"(its lr tensor lives there), got {sorted(map(str, devices))}")
-            group["lr"] = device_lr(group["lr"], params[0].device if params else torch.device("cpu"))
+
+        def checks():
+            group, names = schema.new_group(index, param_group)
+            schema.check_group(index, group, names, self._states.infos)
+            if self._offload is not None:
+                self._offload.check_group(index, group, names)
+            params = group["params"]
+            if self.capturable:
+                devices = {p.device for p in params}
+                if len(devices) > 1:
+                    raise ValueError(f"param group {index}: with capturable=True a group's params must share one "
+                                     f"device (its lr tensor lives there), got {sorted(map(str, devices))}")
+                group["lr"] = device_lr(group["lr"], params[0].device if params else torch.device("cpu"))
+            return group, names
+
+        given = param_group.get("params") if isinstance(param_group, dict) else None
+        given = [given] if isinstance(given, torch.Tensor) else given if isinstance(given, (list, tuple)) else []
+        meshes = agreement.meshes_of(given)
+        if meshes:  # DTensor params: every rank must add the same group (docs/design.md, "Every call ...")
+            group, names = agreement.agree(f"add_param_group (param group {index})", meshes,
+                                           agreement.device_of(given), checks, lambda checked: [checked[0]], 1,
+                                           first_group=index)
+        else:
+            group, names = checks()
         self.param_groups.append(group)
         infos = self._states.register(index, group, names)
         if self._offload is not None:
@@ -168,6 +183,7 @@ class MuonAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._states.begin_call()
         try:
             schema.check_options(self.master_weights, self.grad_attr, self.max_workspace_bytes)
             try:
@@ -178,7 +194,8 @@ class MuonAdamW(torch.optim.Optimizer):
             finally:  # DTensor params: every rank joins the agreement, also one whose planning just failed
                 failed = sys.exc_info()[0] is not None
                 dwork = self._distributed.plan(self._planner, self.param_groups, self._states.infos,
-                                               self._states.tensors, self.grad_attr, failed=failed)
+                                               self._states.tensors, self.grad_attr, failed=failed,
+                                               scaler=hasattr(self, "found_inf"))
         except Exception:
             # GradScaler deletes these only after a step returns: drop them so
             # that a later step does not unscale with this step's scale.
@@ -193,7 +210,23 @@ class MuonAdamW(torch.optim.Optimizer):
             self._offload.run_step(work, self.param_groups, lambda staged: self._run(staged, scalers))
         if dwork:
             self._distributed.run(dwork, self.param_groups, self._states, scalers, self.max_workspace_bytes)
+        self._retry_stale_writers(work)
+        self._states.raise_writer_failures("step")
         return loss
+
+    def _retry_stale_writers(self, work) -> None:
+        """Writers that failed at their last call and did not run in this step
+        are called again with their current master (found_inf None: whatever
+        this step did, their outputs are stale)."""
+        if not self._states.stale_writers:
+            return
+        ran = {id(p) for item, _ in work for p in item.params if not item.bucket.writes_params}
+        retry = [info for key, info in self._states.stale_writers.items() if key not in ran]
+        if retry and self._offload is not None:
+            self._offload.drain()  # the step's copies of the masters back to their slabs
+        for info in retry:
+            master = self._states.tensors[info.param]["master_param"]
+            self._states.run_writer(info, master.to(info.param.device), None)
 
     def _run(self, work, scalers: GradScalerInputs) -> None:
         for item, state in work:
@@ -220,7 +253,7 @@ class MuonAdamW(torch.optim.Optimizer):
         autograd versions move on."""
         if not item.bucket.writes_params:
             for p, master in zip(item.params, masters):
-                writers.run_writer(self._states.info(p), master, found_inf)
+                self._states.run_writer(self._states.info(p), master, found_inf)  # a failure is reported at the end
         torch.autograd.graph.increment_version(item.params)
 
     def _release(self, item: WorkItem) -> None:
@@ -297,6 +330,7 @@ class MuonAdamW(torch.optim.Optimizer):
         on every rank before any rank writes.
         """
         info = self._states.info(param)
+        self._states.begin_call()
 
         def checks():
             check_master_values(info, values)
@@ -313,6 +347,7 @@ class MuonAdamW(torch.optim.Optimizer):
             checks()
         self._states.init(info, self.param_groups[info.group])
         self._states.write_master(info, values.detach().to(param.device).contiguous())
+        self._states.raise_writer_failures("update_param")
 
     def get_full_parameter_master(self, param: torch.nn.Parameter) -> Optional[torch.Tensor]:
         """A new FP32 tensor holding the param's full master weights.
@@ -405,8 +440,15 @@ class MuonAdamW(torch.optim.Optimizer):
                              "the optimizer writes the param itself; restore the storage first")
         if self._offload is not None:
             self._offload.drain()  # the last step's copy of the master back to its slab may be in flight
-        self._states.clear_writer(info)
-        self._planner.invalidate()
+        # The param is then written from its master in its dtype's mode: check it as a step would (contiguity,
+        # dtype, storage) before anything changes; its new master entry does not exist yet.
+        plain = dataclasses.replace(info, writer=None,
+                                    master=master_mode(param, self.master_weights, self.store_param_remainders))
+        self._planner.check_params([plain], self.param_groups, {param: {}}, all_state=False, reading=False)
+        try:
+            self._states.clear_writer(info)
+        finally:
+            self._planner.invalidate()
 
     # ------------------------------------------------------------------
     # Offload (offload="cpu"; see muon_ext.offload)
@@ -473,11 +515,24 @@ class MuonAdamW(torch.optim.Optimizer):
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        # Loading writes every param and state tensor: none may be written out of bounds.
-        self._check_params(self._states.infos.values(), all_state=True, reading=False)
-        checkpoint.load_state_dict(self.param_groups, self._states, state_dict, capturable=self.capturable)
+        self._states.begin_call()
+
+        def checks():
+            # Loading writes every param and state tensor: none may be written out of bounds.
+            self._check_params(self._states.infos.values(), all_state=True, reading=False)
+            return checkpoint.check_state_dict(self.param_groups, self._states, state_dict)
+
+        params = [info.param for info in self._states.infos.values()]
+        meshes = agreement.meshes_of(params)
+        if meshes:  # every rank loads, or none (and with the same settings)
+            checked = agreement.agree("load_state_dict", meshes, agreement.device_of(params), checks,
+                                      lambda checked: checked.merged_groups, len(self.param_groups))
+        else:
+            checked = checks()
+        checkpoint.apply_state_dict(self.param_groups, self._states, checked, capturable=self.capturable)
         if self._offload is not None:
             self._offload.adopt(self.param_groups)  # entries the load created go into the slabs
         self._planner.invalidate()
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
+        self._states.raise_writer_failures("load_state_dict")

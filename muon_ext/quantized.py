@@ -155,6 +155,12 @@ class Fp8Writer:
         self.q_out = q_out
         self.scale_inv_out = scale_inv_out
 
+    def check_param(self, param: torch.Tensor) -> None:
+        """At registration: the param must have the shape and device of `q_out` (its master will)."""
+        if tuple(param.shape) != tuple(self.q_out.shape) or param.device != self.q_out.device:
+            raise ValueError(f"Fp8Writer: q_out has shape {tuple(self.q_out.shape)} on {self.q_out.device}, the "
+                             f"param {tuple(param.shape)} on {param.device}")
+
     def __call__(self, param: torch.Tensor, master: torch.Tensor, stream, found_inf: Optional[torch.Tensor]) -> None:
         op = "Fp8Writer"
         _require_tensor(op, "master", master, torch.float32)

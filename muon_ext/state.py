@@ -14,7 +14,7 @@ from .distributed.placements import local
 from .distributed.state import check_values as check_dtensor_values, stats_follow_rows, wrap as dtensor_like
 from .distributed.state import zeros as dtensor_zeros
 from .schema import label
-from .writers import WriterEntry, is_quantized, quantized_writer, run_writer, storage_held
+from .writers import ParamWriterError, WriterEntry, is_quantized, quantized_writer, run_writer, storage_held
 
 __all__ = ["master_mode", "check_master_values", "is_rounding_of", "OptimizerState"]
 
@@ -76,6 +76,9 @@ class OptimizerState:
         # master); None in FP32-master mode, whose master tensor holds it.
         # "remainder": the saved remainders (modes without int16 state).
         self._pending: Dict[int, Tuple[str, Optional[torch.Tensor]]] = {}
+        # Params whose writer failed at its last call (id -> info): retried at the end of the next step.
+        self.stale_writers: Dict[int, ParamInfo] = {}
+        self._writer_failures: List[Tuple[str, BaseException]] = []  # of the current call
 
     # -- the params -------------------------------------------------------
 
@@ -144,7 +147,7 @@ class OptimizerState:
             self.tensors[p]["master_param"].copy_(master)
             # The writer reads `master`, on the param's device: with offload="cpu"
             # the state entry is a view into a CPU slab.
-            run_writer(info, master, None)
+            self.run_writer(info, master, None)
         elif info.master == "remainder":
             ops.split_master(master, local(p.data), local(self.tensors[p]["master_param"]))
         else:
@@ -197,6 +200,28 @@ class OptimizerState:
 
     # -- writers ----------------------------------------------------------
 
+    def run_writer(self, info: ParamInfo, master: torch.Tensor, found_inf: Optional[torch.Tensor]) -> None:
+        """Runs the param's writer; a failure is recorded, not raised, so that
+        the call completes (docs/design.md, "Every call completes or changes
+        nothing"): `raise_writer_failures` reports it at the call's end."""
+        try:
+            run_writer(info, master, found_inf)
+        except Exception as exc:
+            self.stale_writers[id(info.param)] = info
+            self._writer_failures.append((info.name, exc))
+        else:
+            self.stale_writers.pop(id(info.param), None)
+
+    def begin_call(self) -> None:
+        """Forgets writer failures of an earlier call that raised before reporting them."""
+        self._writer_failures = []
+
+    def raise_writer_failures(self, what: str) -> None:
+        """Raises ParamWriterError for the writers that failed in this call, if any."""
+        failures, self._writer_failures = self._writer_failures, []
+        if failures:
+            raise ParamWriterError(what, failures)
+
     def set_writer(self, info: ParamInfo, entry: WriterEntry) -> None:
         """Gives the param a writer and an FP32 master tensor, converted exactly from its current master."""
         if info.master != "fp32":  # an FP32 master tensor is kept as it is (offload: a view into its slab)
@@ -204,15 +229,23 @@ class OptimizerState:
         info.master, info.writer = "fp32", entry
 
     def clear_writer(self, info: ParamInfo) -> None:
-        """Removes the param's writer: its dtype's master mode again, the param written from its master."""
+        """Removes the param's writer: its dtype's master mode again, the param
+        written from its master. On failure the writer, mode and FP32 master are
+        put back (the caller has checked the param, so none is expected)."""
         p, state = info.param, self.tensors[info.param]
-        master = state.pop("master_param")
+        master, before = state["master_param"], (info.master, info.writer)
         info.master, info.writer = master_mode(p, self.master_weights, self.store_param_remainders), None
-        if info.master == "fp32":
+        try:
+            if info.master == "remainder":
+                state["master_param"] = torch.zeros(p.shape, dtype=torch.int16, device=p.device)
+            elif info.master == "none":
+                del state["master_param"]
+            self.write_master(info, master)
+        except BaseException:
+            info.master, info.writer = before
             state["master_param"] = master
-        elif info.master == "remainder":
-            state["master_param"] = torch.zeros(p.shape, dtype=torch.int16, device=p.device)
-        self.write_master(info, master)
+            raise
+        self.stale_writers.pop(id(p), None)
 
     def defer_master_read(self, info: ParamInfo) -> None:
         """Marks the param's FP32 master to be re-read from the param at its next use."""

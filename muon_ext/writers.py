@@ -11,6 +11,15 @@ A writer is called as `writer(param, master, stream, found_inf)`:
 It runs once per param per step in which the param had a gradient, after the
 param's bucket was updated, and from `update_param` / `load_state_dict`.
 
+A writer may offer `check_param(param)`: called at registration, it raises
+for a param the writer cannot store (Fp8Writer: buffers of another shape).
+
+A writer that raises does not stop the call it runs in: the masters and state
+are the call's result and the writer's outputs are stale. The call completes,
+then raises `ParamWriterError` naming every failed param; each one's writer is
+called again at the end of the next step (also without a grad) until it
+succeeds (docs/design.md, "Every call completes or changes nothing").
+
 Quantized params in TransformerEngine's sense (a tensor subclass with
 `dequantize()` and `quantize_(src)`) get `quantize_` as their writer.
 """
@@ -28,8 +37,22 @@ import torch
 from . import ops
 from ._types import ParamInfo, is_dtensor
 
-__all__ = ["WriterEntry", "is_quantized", "quantized_writer", "check_registration", "check_released",
-           "storage_held", "run_writer"]
+__all__ = ["WriterEntry", "ParamWriterError", "is_quantized", "quantized_writer", "check_registration",
+           "check_released", "storage_held", "run_writer"]
+
+
+class ParamWriterError(RuntimeError):
+    """Raised at the end of a call (step, update_param, load_state_dict) in
+    which param writers failed. The call itself completed: masters, state and
+    step counts hold its result. `failures`: (param name, exception) pairs;
+    their writers are retried at the end of the next step."""
+
+    def __init__(self, what: str, failures):
+        self.failures = list(failures)
+        lines = "; ".join(f"{name}: {type(exc).__name__}: {exc}" for name, exc in self.failures)
+        super().__init__(f"{what}: completed (masters and state updated), but the param writer of "
+                         f"{len(self.failures)} param(s) failed, whose outputs are stale until their writer "
+                         f"succeeds (retried at the end of the next step): {lines}")
 
 
 @dataclass(frozen=True)
@@ -115,6 +138,12 @@ def check_registration(info: ParamInfo, writer, storage) -> None:
         own = _storage_of(info.param)
         if own is None or not _same_storage(own, storage):
             raise ValueError(f"{name}: storage is not the param's own storage object (pass param.untyped_storage())")
+    check_param = getattr(writer, "check_param", None)
+    if callable(check_param):  # what the writer can tell now, rather than at its first call in a step
+        try:
+            check_param(info.param)
+        except Exception as exc:
+            raise ValueError(f"{name}: the writer does not accept this param: {exc}") from exc
 
 
 def check_released(info: ParamInfo, where: str) -> None:
@@ -137,9 +166,6 @@ def check_released(info: ParamInfo, where: str) -> None:
 
 
 def run_writer(info: ParamInfo, master: torch.Tensor, found_inf: Optional[torch.Tensor]) -> None:
-    """Calls the param's writer on the current stream of the master's device, naming the param if it fails."""
+    """Calls the param's writer on the current stream of the master's device (exceptions propagate)."""
     stream = torch.cuda.current_stream(master.device) if master.is_cuda else None
-    try:
-        info.writer.writer(info.param, master, stream, found_inf)
-    except Exception as exc:
-        raise RuntimeError(f"the param writer of {info.name} failed: {exc}") from exc
+    info.writer.writer(info.param, master, stream, found_inf)

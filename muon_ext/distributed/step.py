@@ -27,6 +27,7 @@ from .._shapes import as_matrices, matrix_shape, second_moment_shape
 from ..amp import capturing
 from .._types import ParamInfo, is_dtensor
 from ..schema import SUPPORTED_DTYPES
+from .agreement import step_digest
 from .exchange import exchange_replicated, exchange_sharded
 from .placements import Layout, expected_local_shape, is_split, layout_of, local
 from .shard_group import ShardGroup, shard_group
@@ -148,7 +149,7 @@ class DistributedStep:
     # -- plan -------------------------------------------------------------
 
     def plan(self, planner, groups: List[dict], infos: Mapping[int, ParamInfo], tensors: Mapping, grad_attr: str,
-             failed: bool):
+             failed: bool, scaler: bool = False):
         """The DTensor params' work, or None where this rank's plain planning
         `failed` (its error is then raised by the caller). Collective when
         there are DTensor params: every rank must call it at every step."""
@@ -177,37 +178,51 @@ class DistributedStep:
             except Exception as exc:  # raised after the agreement, so every rank refuses the step
                 error = exc
         refused = failed or error is not None
-        self._agree(dinfos, grads, refused, grad_attr)
+        self._agree(dinfos, grads, refused, grad_attr, groups, scaler)
         if error is not None:
             raise error
         if failed:
             return None
         return _work(dinfos, self._local_grads(dinfos, grads), groups)
 
-    def _agree(self, infos: List[ParamInfo], grads: Dict, refused: bool, grad_attr: str) -> None:
-        """One all_reduce per mesh of [refused, then per param: grad present,
-        a code of its grad's placements and its square]: every rank sees the
-        same sums, so every rank takes the same decision."""
+    def _agree(self, infos: List[ParamInfo], grads: Dict, refused: bool, grad_attr: str, groups: List[dict],
+               scaler: bool) -> None:
+        """One all_reduce per mesh of [refused, GradScaler present, settings
+        digest and its square, then per param: grad present, a code of its
+        grad's placements, its square]: every rank sees the same sums, so every
+        rank takes the same decision."""
         by_mesh: Dict[object, List[ParamInfo]] = {}
         for info in infos:
             by_mesh.setdefault(info.param.device_mesh, []).append(info)
         for mesh, members in by_mesh.items():
             device = local(members[0].param).device
+            # The settings of the mesh's groups and the GradScaler's presence, checked equal on every rank
+            # without another collective (agreement.step_digest); settings edited on one rank only would
+            # otherwise post mismatched exchanges.
+            digest = step_digest(groups, sorted({i.group for i in members}), scaler)
             present = [grads.get(id(i.param)) is not None for i in members]
             codes = [_placements_code(grads[id(i.param)].placements) if here else 0
                      for i, here in zip(members, present)]
-            bits = torch.tensor([int(refused)] + [int(here) for here in present] + codes + [c * c for c in codes],
+            bits = torch.tensor([int(refused), int(scaler), digest, digest * digest]
+                                + [int(here) for here in present] + codes + [c * c for c in codes],
                                 dtype=torch.int64, device=device)
             _all_reduce_over(mesh, bits)
-            sums = bits.tolist()
-            if sums[0]:
+            counts = bits.tolist()
+            if counts[0]:
                 if refused:
                     return  # this rank raises its own error
                 raise RuntimeError("MuonAdamW.step: the step was refused on another rank (see its error); nothing "
                                    "was written on any rank")
+            if 0 < counts[1] < mesh.size():
+                raise ValueError(f"MuonAdamW.step: a GradScaler drives this step on {counts[1]} of {mesh.size()} "
+                                 "ranks; use one on every rank or on none; nothing was written on any rank")
+            if mesh.size() * counts[3] != counts[2] * counts[2]:
+                raise ValueError("MuonAdamW.step: the group settings of the DTensor params differ across ranks "
+                                 "(edited on some ranks only?); their exchanges would not match; nothing was "
+                                 "written on any rank")
             n = len(members)
             for k, info in enumerate(members):
-                count, total, squares = sums[1 + k], sums[1 + n + k], sums[1 + 2 * n + k]
+                count, total, squares = counts[4 + k], counts[4 + n + k], counts[4 + 2 * n + k]
                 if 0 < count < mesh.size():
                     raise ValueError(f"MuonAdamW.step: {info.name} has a {grad_attr} on {count} of {mesh.size()} "
                                      "ranks of its mesh; a DTensor param's grad must be present on every rank or "
@@ -380,7 +395,7 @@ def _work(infos: List[ParamInfo], grads: Dict, groups: List[dict]):
     muon: Dict[Tuple, List[_Entry]] = {}
     for info in infos:
         g = grads.get(id(info.param))
-        if g is None:
+        if g is None or info.param.numel() == 0:  # zero-size (globally, so on every rank): nothing to update
             continue
         entry = _Entry(info, local(info.param), g)
         if info.kind == "adamw":

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from helpers import MASTER_MODES, assert_bit_equal, fp32_master, make_grads, make_set, run_python
+from support.helpers import MASTER_MODES, assert_bit_equal, fp32_master, make_grads, make_set, run_python
 from muon_ext import ops, reference
 
 SIZES = [0, 1, 7, 4097, 65537, (33, 17)]

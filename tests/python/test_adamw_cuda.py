@@ -8,7 +8,7 @@ for bit, so the comparisons below are exact.
 import pytest
 import torch
 
-from helpers import MASTER_MODES, assert_bit_equal, make_grads, make_set
+from support.helpers import MASTER_MODES, assert_bit_equal, make_grads, make_set
 from muon_ext import ops, reference
 
 pytestmark = pytest.mark.gpu

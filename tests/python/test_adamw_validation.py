@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from helpers import assert_unchanged, make_grads, make_set, snapshot
+from support.helpers import assert_unchanged, make_grads, make_set, snapshot
 from muon_ext import ops
 
 SIZES = [16, 33, (4, 5)]

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 import muon_ext
-from helpers import run_python
+from support.helpers import run_python
 from muon_ext import _build_info
 
 

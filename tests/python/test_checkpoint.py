@@ -8,7 +8,7 @@ import io
 import pytest
 import torch
 
-from helpers import assert_bit_equal, assert_optimizer_unchanged, assert_same_optimizer_tensors, optimizer_snapshot
+from support.helpers import assert_bit_equal, assert_optimizer_unchanged, assert_same_optimizer_tensors, optimizer_snapshot
 from muon_ext import MuonAdamW, ops
 
 # name: (param dtype, optimizer kwargs)

@@ -26,7 +26,7 @@ from typing import Callable, NamedTuple, Optional
 import pytest
 import torch
 
-from helpers import assert_bit_equal, assert_optimizer_unchanged, optimizer_snapshot, optimizer_tensors
+from support.helpers import assert_bit_equal, assert_optimizer_unchanged, optimizer_snapshot, optimizer_tensors
 from test_checkpoint import _build, _train
 
 # The model, groups and grads of test_checkpoint.py (modes bf16_remainder and fp16_fp32_master).

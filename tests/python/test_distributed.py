@@ -1,16 +1,16 @@
 """Distributed MuonAdamW on gloo, in three spawned jobs (W = 2, 4, 1) that
-each run many cases (tests/python/distributed_cases.py), so CI spawns few
+each run many cases (tests/python/support/distributed_cases.py), so CI spawns few
 processes. DTensor params with Shard(0) (FSDP2), (Replicate(), Shard(0))
-(HSDP), Replicate() (DDP) and tensor-parallel layouts (tp_cases.py) step like the single-process optimizer, bit for
+(HSDP), Replicate() (DDP) and tensor-parallel layouts (support/tp_cases.py) step like the single-process optimizer, bit for
 bit on the CPU; refusals are raised on every rank; DCP checkpoints move
 between world sizes. Every job runs under a collective timeout and a join
 deadline (dist_helpers.spawn), so a hang fails."""
 
 import pytest
 
-import distributed_cases as cases
-import tp_cases
-from dist_helpers import spawn
+from support import distributed_cases as cases
+from support import tp_cases
+from support.dist_helpers import spawn
 
 W2_CASES = [(cases.sharded_matches_single_process, (2,)), (cases.none_grads_and_refusals, (2,)),
             (cases.update_param_with_dtensors, (2,)), (cases.fsdp2_matches_unsharded, (2,)),

@@ -4,8 +4,8 @@ without CUDA; needs two GPUs for W=2). Not yet run on a GPU."""
 import pytest
 import torch
 
-import distributed_cases as cases
-from dist_helpers import spawn
+from support import distributed_cases as cases
+from support.dist_helpers import spawn
 
 pytestmark = pytest.mark.gpu
 

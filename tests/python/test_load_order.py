@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import muon_ext.state
-from helpers import assert_bit_equal, optimizer_tensors
+from support.helpers import assert_bit_equal, optimizer_tensors
 from muon_ext import MuonAdamW, ops
 from muon_ext.state import is_rounding_of
 

@@ -5,9 +5,9 @@ import os
 import pytest
 import torch
 
-from helpers import assert_bit_equal, fp32_master, run_python
+from support.helpers import assert_bit_equal, fp32_master, run_python
 from muon_ext import ops, reference
-from muon_helpers import assert_close_except_cautious_flips, make_muon_grads, make_muon_set
+from support.muon_helpers import assert_close_except_cautious_flips, make_muon_grads, make_muon_set
 
 SHAPES_BY_KIND = {
     "wide": [(32, 64)] * 3,

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from helpers import assert_bit_equal, fp32_master
+from support.helpers import assert_bit_equal, fp32_master
 from muon_ext import ops, reference
-from muon_helpers import make_muon_grads, make_muon_set
+from support.muon_helpers import make_muon_grads, make_muon_set
 
 pytestmark = pytest.mark.gpu
 

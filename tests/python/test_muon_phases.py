@@ -9,9 +9,9 @@ composition must not change a single bit of the single-device result.
 import pytest
 import torch
 
-from helpers import assert_bit_equal, assert_unchanged, snapshot
+from support.helpers import assert_bit_equal, assert_unchanged, snapshot
 from muon_ext import ops
-from muon_helpers import make_muon_grads, make_muon_set
+from support.muon_helpers import make_muon_grads, make_muon_set
 
 SHAPES = {
     "wide": [(24, 40)] * 2,

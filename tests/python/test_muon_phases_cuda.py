@@ -11,9 +11,9 @@ apply does.
 import pytest
 import torch
 
-from helpers import MASTER_MODES, assert_bit_equal
+from support.helpers import MASTER_MODES, assert_bit_equal
 from muon_ext import ops
-from muon_helpers import make_muon_grads, make_muon_set
+from support.muon_helpers import make_muon_grads, make_muon_set
 
 pytestmark = pytest.mark.gpu
 

@@ -9,9 +9,9 @@ import re
 import pytest
 import torch
 
-from helpers import assert_unchanged, snapshot
+from support.helpers import assert_unchanged, snapshot
 from muon_ext import ops
-from muon_helpers import make_muon_grads, make_muon_set
+from support.muon_helpers import make_muon_grads, make_muon_set
 
 SHAPES = [(6, 10)] * 3
 

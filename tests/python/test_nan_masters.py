@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import muon_ext
-from helpers import assert_bit_equal
+from support.helpers import assert_bit_equal
 from muon_ext import ops, reference
 
 

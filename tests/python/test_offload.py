@@ -10,7 +10,7 @@ import pickle
 import pytest
 import torch
 
-from helpers import (assert_bit_equal, assert_optimizer_unchanged, assert_same_optimizer_tensors, optimizer_snapshot,
+from support.helpers import (assert_bit_equal, assert_optimizer_unchanged, assert_same_optimizer_tensors, optimizer_snapshot,
                      optimizer_tensors)
 from muon_ext import MuonAdamW, OffloadConfig
 

@@ -6,7 +6,7 @@ The CPU twin of the state machine: test_offload.py."""
 import pytest
 import torch
 
-from helpers import assert_bit_equal, assert_same_optimizer_tensors
+from support.helpers import assert_bit_equal, assert_same_optimizer_tensors
 from muon_ext import MuonAdamW, OffloadConfig
 
 pytestmark = pytest.mark.gpu

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import muon_ext
-from helpers import make_grads, make_set
+from support.helpers import make_grads, make_set
 from muon_ext import ops
-from muon_helpers import make_muon_grads, make_muon_set
+from support.muon_helpers import make_muon_grads, make_muon_set
 
 OPS = ["adamw_step", "muon_step", "muon_momentum", "muon_orthogonalize", "muon_apply", "split_master",
        "merge_master"]

@@ -7,18 +7,12 @@ import pickle
 import pytest
 import torch
 
-from helpers import assert_bit_equal, assert_optimizer_unchanged, bits, optimizer_snapshot, optimizer_tensors
-from muon_ext import MuonAdamW, ops
-from optimizer_helpers import MuonTwin, adamw_hyper, as_params, bf16_values, grad_seq, muon_hyper, set_grads
-from muon_helpers import stat_shape
+from support.helpers import assert_bit_equal, assert_optimizer_unchanged, bits, optimizer_snapshot, optimizer_tensors
+from muon_ext import MuonAdamW, ops, reference
+from support.optimizer_helpers import MuonTwin, adamw_hyper, as_params, bf16_values, grad_seq, muon_hyper, set_grads
+from support.muon_helpers import stat_shape
 
-POLAR_EXPRESS = (
-    (8.156554524902461, -22.48329292557795, 15.878769915207462),
-    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
-    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
-    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
-    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
-)
+POLAR_EXPRESS = reference.POLAR_EXPRESS_COEFFICIENTS
 
 
 # ---------------------------------------------------------------------------

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import muon_ext
-from helpers import assert_bit_equal, assert_optimizer_unchanged, optimizer_snapshot, optimizer_tensors
+from support.helpers import assert_bit_equal, assert_optimizer_unchanged, optimizer_snapshot, optimizer_tensors
 from muon_ext import MuonAdamW
 
 pytestmark = pytest.mark.gpu

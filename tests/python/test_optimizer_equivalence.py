@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 
 import muon_ext
-from helpers import assert_bit_equal
+from support.helpers import assert_bit_equal
 from muon_ext import MuonAdamW, reference
-from optimizer_helpers import adamw_hyper, as_params, bf16_values, grad_seq, muon_hyper, set_grads
-from muon_helpers import stat_shape
+from support.optimizer_helpers import adamw_hyper, as_params, bf16_values, grad_seq, muon_hyper, set_grads
+from support.muon_helpers import stat_shape
 
 SEED_PATH = Path(__file__).resolve().parents[3] / "shared" / "peers" / "hydra_muonadamw.py"
 

@@ -18,9 +18,9 @@ from typing import Callable, Dict, List
 import pytest
 import torch
 
-from helpers import assert_bit_equal
+from support.helpers import assert_bit_equal
 from muon_ext import _C, ops
-from muon_helpers import stat_shape
+from support.muon_helpers import stat_shape
 
 
 @pytest.fixture(autouse=True)

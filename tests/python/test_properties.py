@@ -34,10 +34,10 @@ import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from helpers import MASTER_MODES, AdamWSet, assert_bit_equal, fp32_master
+from support.helpers import MASTER_MODES, AdamWSet, assert_bit_equal, fp32_master
 from muon_ext import MuonAdamW, ops, reference
 from muon_ext.schema import MODES, RANGES
-from muon_helpers import MuonSet, stat_shape
+from support.muon_helpers import MuonSet, stat_shape
 
 GRAD_DTYPES = PARAM_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 LOW_PRECISION_MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10}

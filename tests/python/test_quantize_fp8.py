@@ -8,7 +8,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from helpers import assert_bit_equal, assert_unchanged, snapshot
+from support.helpers import assert_bit_equal, assert_unchanged, snapshot
 from muon_ext import quantized, reference
 
 E4M3 = torch.float8_e4m3fn

@@ -5,7 +5,7 @@ tensor), found_inf read on the device, and the writer on a given stream."""
 import pytest
 import torch
 
-from helpers import assert_bit_equal, assert_unchanged, snapshot
+from support.helpers import assert_bit_equal, assert_unchanged, snapshot
 from muon_ext import quantized, reference
 
 pytestmark = pytest.mark.gpu

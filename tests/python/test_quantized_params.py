@@ -7,8 +7,8 @@ import torch
 from torch.utils._pytree import tree_map
 
 import muon_ext
-from helpers import assert_bit_equal
-from optimizer_helpers import bf16_values, grad_seq
+from support.helpers import assert_bit_equal
+from support.optimizer_helpers import bf16_values, grad_seq
 
 FP8_MAX = 448.0
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import muon_ext
-from helpers import assert_optimizer_unchanged, bits, optimizer_snapshot
+from support.helpers import assert_optimizer_unchanged, bits, optimizer_snapshot
 from muon_ext import MuonAdamW, ops
 
 P = torch.nn.Parameter
@@ -29,11 +29,11 @@ HERE = pathlib.Path(__file__).parent
 
 @pytest.fixture(scope="module")
 def storage_results():
-    """Runs reliability_storage_cases.py in a child process (a missing check
+    """Runs support/reliability_storage_cases.py in a child process (a missing check
     would read out of bounds, which may kill the process); its JSON lines by case."""
     package_root = str(pathlib.Path(muon_ext.__file__).parent.parent)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), package_root, os.environ.get("PYTHONPATH", "")]))
-    run = subprocess.run([sys.executable, str(HERE / "reliability_storage_cases.py")], capture_output=True, text=True,
+    run = subprocess.run([sys.executable, "-m", "support.reliability_storage_cases"], capture_output=True, text=True,
                          env=env, cwd=str(HERE), timeout=600)
     results = {}
     for line in run.stdout.splitlines():
@@ -44,8 +44,7 @@ def storage_results():
 
 
 def _storage_case_names():
-    sys.path.insert(0, str(HERE))
-    import reliability_storage_cases
+    from support import reliability_storage_cases
 
     return list(reliability_storage_cases.all_cases())
 
@@ -376,7 +375,7 @@ class _Passthrough(torch.utils._python_dispatch.TorchDispatchMode):
 
 def _op_calls():
     """op: (lists by argument name, call(lists, **extra))."""
-    from muon_helpers import stat_shape
+    from support.muon_helpers import stat_shape
 
     def adamw():
         ps = [torch.randn(4) for _ in range(3)]

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from helpers import assert_bit_equal
+from support.helpers import assert_bit_equal
 from muon_ext import ops, reference
 
 EDGE_BITS = [0x00000000, 0x80000000, 0x7F800000, 0xFF800000, 0x7FFF8000, 0x7FC00000, 0x7F7FFFFF, 0xFFFF8000,

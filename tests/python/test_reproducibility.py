@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import muon_ext
-from helpers import assert_bit_equal, optimizer_tensors, run_python
+from support.helpers import assert_bit_equal, optimizer_tensors, run_python
 from muon_ext import ops
-from muon_helpers import stat_shape
+from support.muon_helpers import stat_shape
 
 THREADS = (1, 2, 3, 4)
 

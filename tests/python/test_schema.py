@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from helpers import make_grads, make_set
+from support.helpers import make_grads, make_set
 from muon_ext import ops, schema
-from muon_helpers import make_muon_grads, make_muon_set
+from support.muon_helpers import make_muon_grads, make_muon_set
 
 
 def _adamw(**setting):

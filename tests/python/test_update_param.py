@@ -4,7 +4,7 @@ and update_param's validation (nothing changes when it refuses)."""
 import pytest
 import torch
 
-from helpers import assert_bit_equal, assert_optimizer_unchanged, optimizer_snapshot
+from support.helpers import assert_bit_equal, assert_optimizer_unchanged, optimizer_snapshot
 from muon_ext import MuonAdamW, ops
 
 # name: (param dtype, optimizer kwargs)

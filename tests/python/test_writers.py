@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import muon_ext
-from helpers import assert_bit_equal, bits
-from optimizer_helpers import bf16_values, grad_seq
+from support.helpers import assert_bit_equal, bits
+from support.optimizer_helpers import bf16_values, grad_seq
 
 SHAPES = [(8, 16), (8, 16), (12,)]
 
@@ -261,7 +261,8 @@ def test_writer_failure_is_named():
         raise KeyError("inference engine gone")
 
     opt.register_param_writer(params[1], broken)
-    with pytest.raises(RuntimeError, match=r"param writer of param group 0 \(muon\), param 1 failed"):
+    with pytest.raises(muon_ext.writers.ParamWriterError,
+                       match=r"param writer of 1 param\(s\) failed.*param group 0 \(muon\), param 1: KeyError"):
         _step(opt, params, grad_seq(SHAPES, 1)[0])
 
 

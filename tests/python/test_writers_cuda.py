@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import muon_ext
-from helpers import assert_bit_equal
-from optimizer_helpers import bf16_values, grad_seq
+from support.helpers import assert_bit_equal
+from support.optimizer_helpers import bf16_values, grad_seq
 
 pytestmark = pytest.mark.gpu
 

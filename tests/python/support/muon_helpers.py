@@ -7,7 +7,7 @@ from typing import List
 
 import torch
 
-from helpers import MASTER_MODES
+from support.helpers import MASTER_MODES
 
 
 @dataclass

@@ -14,8 +14,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from distributed_cases import dtensor
-from dist_helpers import assert_same_on_every_rank, bits
+from support.distributed_cases import dtensor
+from support.dist_helpers import assert_same_on_every_rank, bits
 from muon_ext import MuonAdamW
 
 STEPS = 3

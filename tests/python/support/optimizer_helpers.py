@@ -4,7 +4,7 @@ grad sequences, hyperparameters as the ops take them, a hand-stepped Muon bucket
 import torch
 
 from muon_ext import ops
-from muon_helpers import stat_shape
+from support.muon_helpers import stat_shape
 
 
 def bf16_values(shapes, seed=0, scale=0.1):

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
-from dist_helpers import assert_same_on_every_rank, bits
+from support.dist_helpers import assert_same_on_every_rank, bits
 from muon_ext import MuonAdamW
 
 # Muon matrices per exchange group: wide, tall, square, rows % W != 0, rows < W,

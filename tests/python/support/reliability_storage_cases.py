@@ -2,7 +2,7 @@
 with untyped_storage().resize_(0), or shrunk under a view). Without the checks
 the extension reads and writes such tensors out of bounds and the process may
 die, so test_reliability_checks.py runs these cases in a child process:
-`python reliability_storage_cases.py` prints one JSON line per case.
+`python -m support.reliability_storage_cases` (from tests/python) prints one JSON line per case.
 
 Every case expects a named error, and every tensor that can still be read
 bit-identical afterwards (the released ones still released).
@@ -16,9 +16,9 @@ import traceback
 
 import torch
 
-from helpers import bits, optimizer_tensors
+from support.helpers import bits, optimizer_tensors
 from muon_ext import MuonAdamW, ops
-from muon_helpers import stat_shape
+from support.muon_helpers import stat_shape
 
 P = torch.nn.Parameter
 MODES = {"bf16_remainder": (torch.bfloat16, {}), "bf16_fp32_master": (torch.bfloat16, dict(store_param_remainders=False)),

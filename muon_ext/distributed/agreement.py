@@ -1,0 +1,149 @@
+"""Cross-rank agreement on the settings that shape collectives
+(docs/design.md, "Every call completes or changes nothing").
+
+Ranks whose groups differ (`beta2=None` on one rank, another `matrix_view`,
+other params) would post collectives of different sizes or orders: gloo
+aborts the process, NCCL hangs. Construction, `add_param_group` and
+`load_state_dict` therefore gather one small int64 vector per rank over the
+meshes of the DTensor params: [global rank, refused, one 62-bit digest per
+setting]; every rank compares them, so a refusal or a difference raises on
+every rank (naming the setting and the ranks) before anything is written.
+A step carries a cheaper form in its existing all_reduce (`step_digest`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Callable, List, Optional, Sequence, Tuple, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from ..schema import DEFAULTS
+from .placements import local
+
+__all__ = ["SETTINGS", "group_digests", "agree", "step_digest", "meshes_of", "device_of"]
+
+# Every setting of either kind, plus the group's kind and its params' layout.
+SETTINGS: Tuple[str, ...] = ("kind", "params") + tuple(sorted(set(DEFAULTS["muon"]) | set(DEFAULTS["adamw"])))
+
+# Not in the step's digest: the params' layout cannot change after construction (the planner refuses
+# edited groups) and costs O(params) to hash; a tensor lr would need a host read (and lr never shapes a collective).
+_PER_CALL_ONLY = ("params", "lr")
+
+T = TypeVar("T")
+
+
+def _value(v):
+    if isinstance(v, torch.Tensor):  # a capturable lr: its value (one host read, outside steps)
+        return float(v.detach().float().cpu().reshape(-1)[0]) if v.numel() == 1 else tuple(v.shape)
+    if isinstance(v, (list, tuple)):
+        return tuple(_value(x) for x in v)
+    return v
+
+
+def _layout(p) -> tuple:
+    placements = tuple(str(x) for x in p.placements) if hasattr(p, "placements") else ()
+    return (tuple(p.shape), str(p.dtype), placements)
+
+
+def _hash(value) -> int:
+    return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little") >> 2
+
+
+def group_digests(group: dict) -> List[int]:
+    """One digest per entry of SETTINGS (an absent key hashes as absent)."""
+    out = []
+    for key in SETTINGS:
+        if key == "params":
+            out.append(_hash(tuple(_layout(p) for p in group.get("params", ()))))
+        else:
+            out.append(_hash(_value(group[key]) if key in group else "<absent>"))
+    return out
+
+
+def meshes_of(params) -> list:
+    """The distinct device meshes of the DTensor params among `params`, in first-seen order."""
+    seen = []
+    for p in params:
+        mesh = getattr(p, "device_mesh", None)
+        if mesh is not None and hasattr(p, "placements") and not any(mesh is m for m in seen):
+            seen.append(mesh)
+    return seen
+
+
+def _gather_over_mesh(mesh, row: torch.Tensor) -> torch.Tensor:
+    """Every rank of `mesh` gets every rank's `row`: one all_gather over the default group where the mesh
+    spans the world, else one per mesh dim, each gathering what the previous ones collected."""
+    if mesh.size() == dist.get_world_size():
+        dims = [None]
+    else:
+        dims = list(range(mesh.ndim))
+    rows = row.reshape(1, -1)
+    for dim in dims:
+        group = None if dim is None else mesh.get_group(dim)
+        size = dist.get_world_size(group)
+        out = [torch.empty_like(rows) for _ in range(size)]
+        dist.all_gather(out, rows.contiguous(), group=group)
+        rows = torch.cat(out)
+    return rows
+
+
+def agree(what: str, meshes: Sequence, device: torch.device, checks: Callable[[], T],
+          groups_of: Callable[[T], Sequence[dict]], group_count: int, first_group: int = 0) -> T:
+    """Runs `checks()` on this rank, then agrees over every mesh in `meshes`:
+    raises on every rank if any rank's checks raised (its own error there,
+    "refused on another rank" elsewhere) or if the settings of the
+    `group_count` groups `groups_of(result)` (numbered from `first_group` in
+    messages) differ. Returns the result."""
+    result: Optional[T] = None
+    error: Optional[BaseException] = None
+    try:
+        result = checks()
+        digests = [d for g in groups_of(result) for d in group_digests(g)]
+        if len(digests) != group_count * len(SETTINGS):
+            raise ValueError(f"{what}: {len(digests) // len(SETTINGS)} param groups here, {group_count} expected")
+    except Exception as exc:  # raised after the collective, so that every rank refuses
+        error, digests = exc, [0] * (group_count * len(SETTINGS))
+    row = torch.tensor([dist.get_rank(), int(error is not None)] + digests, dtype=torch.int64, device=device)
+    for mesh in meshes:
+        rows = _gather_over_mesh(mesh, row).cpu()
+        if error is not None:
+            raise error
+        refused = [int(r[0]) for r in rows if int(r[1])]
+        if refused:
+            raise RuntimeError(f"{what}: refused on rank(s) {refused} (see the error there); nothing was changed on "
+                               "any rank")
+        table = rows[:, 2:].reshape(len(rows), group_count, len(SETTINGS))
+        for gi in range(group_count):
+            for si, key in enumerate(SETTINGS):
+                column = table[:, gi, si]
+                if bool((column != column[0]).any()):
+                    values = {}
+                    for r, v in zip(rows[:, 0].tolist(), column.tolist()):
+                        values.setdefault(v, []).append(r)
+                    ranks = " vs ".join(str(sorted(rs)) for rs in values.values())
+                    thing = "its params (shapes, dtypes, placements)" if key == "params" else f"setting '{key}'"
+                    raise ValueError(f"{what}: param group {first_group + gi} differs across ranks in {thing}: ranks {ranks}; "
+                                     "every rank must build and load the same groups (their collectives must "
+                                     "match); nothing was changed on any rank")
+    if error is not None:
+        raise error
+    return result
+
+
+def step_digest(groups: Sequence[dict], indices: Sequence[int], scaler: bool) -> int:
+    """A 20-bit digest of the settings of groups `indices` and of whether a
+    GradScaler drives this step, for the step's sum all_reduce: carrying d and
+    d*d, the sums satisfy W * sum(d*d) == sum(d)**2 exactly when every rank's
+    d is the same (no extra collective)."""
+    digests = tuple(tuple(d for key, d in zip(SETTINGS, group_digests(groups[i])) if key not in _PER_CALL_ONLY)
+                    for i in indices)
+    return _hash((scaler,) + digests) % (1 << 20)
+
+
+def device_of(params) -> torch.device:
+    for p in params:
+        if hasattr(p, "placements"):
+            return local(p).device
+    return torch.device("cpu")

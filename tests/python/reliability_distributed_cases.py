@@ -1,0 +1,169 @@
+"""Bodies of tests/python/test_reliability_distributed.py, run on every rank
+of one spawned gloo world (W = 2): each case must end with every rank having
+completed the call or every rank having raised with nothing changed; none
+may hang (the collective timeout is 60 s; the cases take about a second)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+
+from distributed_cases import dtensor
+from muon_ext import MuonAdamW
+from muon_ext.writers import ParamWriterError
+from optimizer_snapshot import snapshot
+
+
+def _values(shape, seed):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _expect_everywhere(rank, call, mine: str, elsewhere: str, on_ranks=None):
+    """`call()` raises on every rank: matching `mine` where the rank is in `on_ranks` (all when None),
+    `elsewhere` on the others."""
+    pattern = mine if on_ranks is None or rank in on_ranks else elsewhere
+    with pytest.raises(Exception, match=pattern):
+        call()
+
+
+def zero_size_dtensor_params_are_skipped(rank, world, mesh):
+    shapes = [(0, 5), (5, 0)]
+    for placements in ([Shard(0)], [Replicate()]):
+        w = torch.nn.Parameter(dtensor(_values((8, 6), 0), mesh, placements))
+        zeros = [torch.nn.Parameter(dtensor(torch.zeros(s), mesh, placements)) for s in shapes]
+        opt = MuonAdamW([{"params": [w] + zeros, "kind": "muon"},
+                         {"params": [torch.nn.Parameter(dtensor(torch.zeros(0), mesh, placements))],
+                          "kind": "adamw"}], adapters=False)
+        ref_w = torch.nn.Parameter(_values((8, 6), 0))
+        ref = MuonAdamW([{"params": [ref_w], "kind": "muon"}], adapters=False)
+        for k in range(2):
+            w.grad = dtensor(_values((8, 6), 10 + k), mesh, placements)
+            for z in zeros:
+                z.grad = dtensor(torch.zeros(z.shape), mesh, placements)
+            opt.param_groups[1]["params"][0].grad = dtensor(torch.zeros(0), mesh, placements)
+            ref_w.grad = _values((8, 6), 10 + k)
+            opt.step()
+            ref.step()
+        assert torch.equal(w.full_tensor(), ref_w.detach()), placements
+
+
+def writer_failing_on_one_rank_completes_the_step_everywhere(rank, world, mesh):
+    def build():
+        w = torch.nn.Parameter(dtensor(_values((8, 6), 1), mesh, [Shard(0)]))
+        plain = torch.nn.Parameter(_values((4, 4), 2).bfloat16())
+        return w, plain, MuonAdamW([{"params": [plain, w], "kind": "muon"}], adapters=False)
+
+    w, plain, opt = build()
+    rw, rplain, ref = build()
+    seen = []
+
+    def writer(param, master, stream, found_inf):
+        if rank == 0 and not seen:
+            seen.append("failed")
+            raise RuntimeError("inference engine on rank 0 is gone")
+        seen.append(master.clone())
+
+    opt.register_param_writer(plain, writer)
+    ref.register_param_writer(rplain, lambda *a: None)
+    for k in range(2):
+        for o, ww, pp in ((opt, w, plain), (ref, rw, rplain)):
+            ww.grad = dtensor(_values((8, 6), 20 + k), mesh, [Shard(0)])
+            pp.grad = _values((4, 4), 30 + k).bfloat16()
+        if k == 0 and rank == 0:
+            with pytest.raises(ParamWriterError, match="inference engine on rank 0 is gone"):
+                opt.step()
+        else:
+            opt.step()
+        ref.step()
+        # Every rank stepped everything: the same state as a run whose writer works.
+        assert torch.equal(w.to_local(), rw.to_local())
+        assert torch.equal(opt.state[w]["momentum_buffer"].to_local(), ref.state[rw]["momentum_buffer"].to_local())
+        assert torch.equal(opt.get_full_parameter_master(plain), ref.get_full_parameter_master(rplain))
+    assert torch.equal(seen[-1], ref.get_full_parameter_master(rplain))  # rank 0's writer caught up
+
+
+def differing_settings_are_refused_at_construction(rank, world, mesh):
+    w = torch.nn.Parameter(dtensor(_values((8, 6), 3), mesh, [Shard(0)]))
+    beta2 = None if rank == 1 else 0.95  # the gloo SIGABRT ("Received data size doesn't match") of the issue
+    _expect_everywhere(rank, lambda: MuonAdamW([{"params": [w], "kind": "muon", "beta2": beta2}], adapters=False),
+                       r"param group 0 differs across ranks in setting 'beta2': ranks \[0\] vs \[1\]", "")
+    shape = (8, 6) if rank == 0 else (8, 7)  # another model on rank 1
+    v = torch.nn.Parameter(dtensor(_values(shape, 3), mesh, [Shard(0)]))
+    _expect_everywhere(rank, lambda: MuonAdamW([{"params": [v], "kind": "muon"}], adapters=False),
+                       r"differs across ranks in its params \(shapes, dtypes, placements\)", "")
+    lr = -1.0 if rank == 1 else 0.02  # refused by rank 1's own checks: rank 0 must not wait
+    _expect_everywhere(rank, lambda: MuonAdamW([{"params": [w], "kind": "muon", "lr": lr}], adapters=False),
+                       "lr", r"refused on rank\(s\) \[1\]", on_ranks=[1])
+
+
+def _stepped_optimizer(mesh):
+    w = torch.nn.Parameter(dtensor(_values((8, 6), 4), mesh, [Shard(0)]))
+    a = torch.nn.Parameter(dtensor(_values((6,), 5), mesh, [Shard(0)]))
+    opt = MuonAdamW([{"params": [w], "kind": "muon"}, {"params": [a], "kind": "adamw"}], adapters=False)
+    w.grad = dtensor(_values((8, 6), 6), mesh, [Shard(0)])
+    a.grad = dtensor(_values((6,), 7), mesh, [Shard(0)])
+    opt.step()
+    return opt, w, a
+
+
+def step_refuses_divergent_settings_and_one_sided_grad_scaler(rank, world, mesh):
+    opt, w, a = _stepped_optimizer(mesh)
+    w.grad = dtensor(_values((8, 6), 8), mesh, [Shard(0)])
+    a.grad = dtensor(_values((6,), 9), mesh, [Shard(0)])
+    before = snapshot(opt)
+    if rank == 1:  # what scaler.step(opt) does on the rank that has a scaler
+        opt.grad_scale, opt.found_inf = torch.ones(()), torch.zeros(())
+    _expect_everywhere(rank, opt.step, "a GradScaler drives this step on 1 of 2 ranks", "")
+    assert snapshot(opt) == before and not hasattr(opt, "found_inf")
+    opt.param_groups[0]["beta2"] = None if rank == 1 else 0.95
+    _expect_everywhere(rank, opt.step, "group settings of the DTensor params differ across ranks", "")
+    assert snapshot(opt)["params"] == before["params"]  # the groups hold the edit
+    opt.param_groups[0]["beta2"] = 0.95
+    opt.step()  # in step again
+
+
+def load_and_add_param_group_refuse_on_every_rank(rank, world, mesh):
+    opt, w, a = _stepped_optimizer(mesh)
+    sd = copy.deepcopy(opt.state_dict())
+    before = snapshot(opt)
+    other = copy.deepcopy(sd)
+    if rank == 1:
+        other["param_groups"][0]["ns_steps"] = 3
+    _expect_everywhere(rank, lambda: opt.load_state_dict(other),
+                       r"load_state_dict: param group 0 differs across ranks in setting 'ns_steps'", "")
+    assert snapshot(opt) == before
+    broken = copy.deepcopy(sd)
+    if rank == 0:
+        del broken["state"]
+    _expect_everywhere(rank, lambda: opt.load_state_dict(broken), "expected a dict with 'param_groups'",
+                       r"load_state_dict: refused on rank\(s\) \[0\]", on_ranks=[0])
+    assert snapshot(opt) == before
+    opt.load_state_dict(sd)  # the same dict everywhere: loads
+    new = torch.nn.Parameter(dtensor(_values((4, 4), 9), mesh, [Shard(0)]))
+    steps = 3 if rank == 0 else 5
+    _expect_everywhere(rank, lambda: opt.add_param_group({"params": [new], "kind": "muon", "ns_steps": steps}),
+                       r"add_param_group \(param group 2\): param group 2 differs across ranks in setting "
+                       r"'ns_steps'", "")
+    assert len(opt.param_groups) == 2
+    opt.add_param_group({"params": [new], "kind": "muon"})
+    assert len(opt.param_groups) == 3
+
+
+CASES = [zero_size_dtensor_params_are_skipped, writer_failing_on_one_rank_completes_the_step_everywhere,
+         differing_settings_are_refused_at_construction, step_refuses_divergent_settings_and_one_sided_grad_scaler,
+         load_and_add_param_group_refuse_on_every_rank]
+
+
+def run_all(rank, world):
+    mesh = init_device_mesh("cpu", (world,))
+    for case in CASES:
+        try:
+            case(rank, world, mesh)
+        except BaseException as exc:
+            raise AssertionError(f"rank {rank}: {case.__name__}: {exc}") from exc
+        dist.barrier()  # every rank finished the case: none is left waiting in a collective

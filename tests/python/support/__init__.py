@@ -1,0 +1,1 @@
+"""Shared test code: builders, assertions, multi-process harness and case tables (not tests)."""
