@@ -1,8 +1,9 @@
 """Muon's orthogonalization of DTensor matrices: each matrix is orthogonalized
 whole, by one owner rank, and the work is spread over the ranks.
 
-Matrix j of a group of N same-key matrices is owned by rank j mod W of the
-ranks that share the work. Split (`ShardGroup`: the ranks of the mesh dims that
+Matrix j of a group of N same-key matrices is owned by rank (first + j) mod W
+of the ranks that share the work; the caller advances `first` from group to
+group, so that groups of fewer than W matrices do not all land on rank 0. Split (`ShardGroup`: the ranks of the mesh dims that
 split the matrix, by rows, columns or both, e.g. FSDP x TP): one all_to_all
 brings every rank's block of matrix j (and its NorMuon statistics) to its
 owner, which places each block at its rows and columns, runs `orthogonalize`
@@ -35,7 +36,8 @@ Orthogonalize = Callable[[List[torch.Tensor], List[torch.Tensor]], Optional[int]
 
 
 def exchange_sharded(shards: ShardGroup, rows: int, cols: int, updates: List[torch.Tensor],
-                     stats: List[torch.Tensor], stats_sharded: bool, orthogonalize: Orthogonalize) -> int:
+                     stats: List[torch.Tensor], stats_sharded: bool, orthogonalize: Orthogonalize,
+                     first: int = 0) -> int:
     """`updates`: this rank's FP32 block [r, c] of each matrix (rows
     `shards.rows[me]`, columns `shards.cols[me]`); `stats`: their NorMuon
     second moments (empty without NorMuon), this rank's rows [r, 1] if
@@ -44,7 +46,7 @@ def exchange_sharded(shards: ShardGroup, rows: int, cols: int, updates: List[tor
     world, me = shards.ranks.size, shards.ranks.rank
     counts = shards.counts
     n = len(updates)
-    mine = list(range(me, n, world))
+    mine = list(_owned(me, n, world, first))
     normuon = bool(stats)
     row_stat = 1 if (normuon and stats_sharded) else 0  # statistics travelling with each row
     # Ranks that split only the columns hold the same rows: each sends its copy of their statistics, the
@@ -52,9 +54,9 @@ def exchange_sharded(shards: ShardGroup, rows: int, cols: int, updates: List[tor
     size_of = lambda s: counts[s][0] * counts[s][1] + row_stat * counts[s][0]  # noqa: E731 - rank s's block
 
     # -- to the owners: my block of matrix j goes to rank j mod W
-    send = _cat([piece for d in range(world) for j in range(d, n, world)
+    send = _cat([piece for d in range(world) for j in _owned(d, n, world, first)
                  for piece in _row_pieces(updates[j], stats[j] if row_stat else None)], updates)
-    send_splits = [len(range(d, n, world)) * size_of(me) for d in range(world)]
+    send_splits = [len(_owned(d, n, world, first)) * size_of(me) for d in range(world)]
     recv_splits = [len(mine) * size_of(s) for s in range(world)]
     recv = _all_to_all(shards.ranks, send, send_splits, recv_splits)
 
@@ -87,11 +89,11 @@ def exchange_sharded(shards: ShardGroup, rows: int, cols: int, updates: List[tor
     back_splits = [len(mine) * (counts[s][0] * counts[s][1] + stat_of(s)) for s in range(world)]
     back_stat = stat_of(me)
     block = counts[me][0] * counts[me][1]
-    ret_splits = [len(range(d, n, world)) * (block + back_stat) for d in range(world)]
+    ret_splits = [len(_owned(d, n, world, first)) * (block + back_stat) for d in range(world)]
     ret = _all_to_all(shards.ranks, back, back_splits, ret_splits)
     offset = 0
     for d in range(world):
-        for j in range(d, n, world):
+        for j in _owned(d, n, world, first):
             updates[j].copy_(ret[offset:offset + block].view(updates[j].shape))
             offset += block
             if normuon:
@@ -101,7 +103,7 @@ def exchange_sharded(shards: ShardGroup, rows: int, cols: int, updates: List[tor
 
 
 def exchange_replicated(ranks: Ranks, updates: List[torch.Tensor], stats: List[torch.Tensor],
-                        orthogonalize: Orthogonalize) -> int:
+                        orthogonalize: Orthogonalize, first: int = 0) -> int:
     """`updates` (FP32, of one shape, each the same on every rank of `ranks`:
     whole matrices, or under HSDP this rank's rows) and their NorMuon `stats`
     (or empty): rank r has matrices r, r + W, ... orthogonalized in place by
@@ -109,7 +111,7 @@ def exchange_replicated(ranks: Ranks, updates: List[torch.Tensor], stats: List[t
     gives every rank every result."""
     world, me = ranks.size, ranks.rank
     n = len(updates)
-    mine = list(range(me, n, world))
+    mine = list(_owned(me, n, world, first))
     sent = 0
     if mine:
         sent = orthogonalize([updates[j] for j in mine], [stats[j] for j in mine] if stats else []) or 0
@@ -123,7 +125,7 @@ def exchange_replicated(ranks: Ranks, updates: List[torch.Tensor], stats: List[t
     gathered = [torch.empty_like(packed) for _ in range(world)]
     dist.all_gather(gathered, packed, group=ranks.group)
     for d in range(world):
-        for k, j in enumerate(range(d, n, world)):
+        for k, j in enumerate(_owned(d, n, world, first)):
             if d == me:
                 continue
             data = gathered[d][k * slot:(k + 1) * slot]
@@ -131,6 +133,11 @@ def exchange_replicated(ranks: Ranks, updates: List[torch.Tensor], stats: List[t
             if stats:
                 stats[j].copy_(data[updates[j].numel():].view(stats[j].shape))
     return sent + packed.numel() * packed.element_size() * (world - 1)
+
+
+def _owned(owner: int, n: int, world: int, first: int) -> range:
+    """The matrices of `owner`: matrix j belongs to rank (first + j) mod W."""
+    return range((owner - first) % world, n, world)
 
 
 def _row_pieces(update: torch.Tensor, stat: Optional[torch.Tensor]) -> List[torch.Tensor]:

@@ -207,8 +207,8 @@ class DistributedStep:
                                 + [int(here) for here in present] + codes + [c * c for c in codes],
                                 dtype=torch.int64, device=device)
             _all_reduce_over(mesh, bits)
-            sums = bits.tolist()
-            if sums[0]:
+            counts = bits.tolist()
+            if counts[0]:
                 if refused:
                     return  # this rank raises its own error
                 raise RuntimeError("MuonAdamW.step: the step was refused on another rank (see its error); nothing "
@@ -254,8 +254,10 @@ class DistributedStep:
 
         for gi, entries in adamw:
             self._adamw(groups[gi], entries, states.tensors, *scaler_inputs(entries))
+        first = 0  # the owner of each exchange group's first matrix: rotates, so that small groups spread out
         for (gi, rows, cols, _, _), entries in muon:
-            self._muon(groups[gi], rows, cols, entries, states, max_workspace_bytes, *scaler_inputs(entries))
+            self._muon(groups[gi], rows, cols, entries, states, max_workspace_bytes, first, *scaler_inputs(entries))
+            first += len(entries)
         written = [e.info.param for _, entries in adamw + muon for e in entries]
         if written:
             torch.autograd.graph.increment_version(written)
@@ -279,7 +281,7 @@ class DistributedStep:
         return self._shard_groups[key]
 
     def _muon(self, group: dict, rows: int, cols: int, entries: List[_Entry], states, max_workspace_bytes: int,
-              inv_scale, found_inf) -> None:
+              first: int, inv_scale, found_inf) -> None:
         view = group["matrix_view"]
         layout: Layout = layout_of(entries[0].info.param)
         tensors = states.tensors
@@ -312,16 +314,16 @@ class DistributedStep:
             self.polar_flops += len(whole) * _polar_flops(rows, cols, group["ns_steps"])
 
         if not split:  # replicated: the first replicate dim splits the work (any others repeat it)
-            self.bytes_sent += exchange_replicated(layout.ranks(replicas[0]), updates, stats, orthogonalize)
+            self.bytes_sent += exchange_replicated(layout.ranks(replicas[0]), updates, stats, orthogonalize, first)
         else:
             stats_sharded = bool(stats) and stats_follow_rows(entries[0].info.param, view)
             shards = self._shard_group(layout, tuple(entries[0].info.param.shape))
 
             def in_shard_group(ups: List[torch.Tensor], sts: List[torch.Tensor]) -> int:
-                return exchange_sharded(shards, rows, cols, ups, sts, stats_sharded, orthogonalize)
+                return exchange_sharded(shards, rows, cols, ups, sts, stats_sharded, orthogonalize, first)
 
             if replicas:  # HSDP (x TP): the replicas split the matrices too
-                self.bytes_sent += exchange_replicated(layout.ranks(replicas[0]), updates, stats, in_shard_group)
+                self.bytes_sent += exchange_replicated(layout.ranks(replicas[0]), updates, stats, in_shard_group, first)
             else:
                 self.bytes_sent += in_shard_group(updates, stats)
         for batch in _batches(list(range(len(entries))), lambda i: (entries[i].param.dtype, entries[i].info.master)):

@@ -340,8 +340,8 @@ def _dcp_steps(opt, params, first, last, make):
         opt.step()
 
 
-def dcp_save(rank, world, mesh_shape, path):
-    """Two steps, then a DCP checkpoint of the model and the optimizer."""
+def dcp_save(rank, world, mesh_shape, checkpoints):
+    """Two steps, then a DCP checkpoint of the model and the optimizer at checkpoints["fsdp"]."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
@@ -351,10 +351,10 @@ def dcp_save(rank, world, mesh_shape, path):
     place = lambda n, g: dtensor(g, mesh, shard if DCP_PARAMS[n][2] else rep)  # noqa: E731
     _dcp_steps(opt, params, 0, 2, place)
     dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
-             checkpoint_id=path)
+             checkpoint_id=checkpoints["fsdp"])
 
 
-def dcp_resume(rank, world, mesh_shape, path):
+def dcp_resume(rank, world, mesh_shape, checkpoints):
     """Loads the checkpoint into a fresh model and optimizer at this world
     size, steps twice, and equals four uninterrupted single-process steps, bit for bit."""
     import torch.distributed.checkpoint as dcp
@@ -364,7 +364,7 @@ def dcp_resume(rank, world, mesh_shape, path):
     mesh, shard, rep = meshes(mesh_shape)
     model, opt = _dcp_model(mesh, shard, rep, seed=8)  # other values: the load must replace them
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
-    dcp.load(state, checkpoint_id=path)
+    dcp.load(state, checkpoint_id=checkpoints["fsdp"])
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, opt, state["optim"])
     params = dict(model.named_parameters())

@@ -131,3 +131,82 @@ def _assert_equal(opt, ref, params, ref_params, mesh, what):
             assert torch.equal(bits(full), bits(ref.get_full_parameter_master(rp))), f"master of {where}"
             if not any(pl.is_shard() or isinstance(pl, _StridedShard) for pl in p.placements):
                 assert_same_on_every_rank(p.to_local(), f"replicated {where}")
+
+
+# ---------------------------------------------------------------------------
+# torch.distributed.checkpoint: save at FSDP x TP 2x2, resume at TP=2 and at one process
+# ---------------------------------------------------------------------------
+
+# No interleaved ("strided") layout: DCP itself refuses to save a tensor whose local rows are not one chunk
+# (torch 2.14: "overlapping chunks"); torchtitan's (_StridedShard(0), Shard(0)) rows are one chunk.
+TP_DCP = {"wq": ((8, 6), "col", "muon"), "wo": ((6, 7), "row", "muon"), "w_odd": ((5, 9), "row", "muon"),
+          "w_uneven": ((9, 4), "col", "muon"), "norm": ((6,), "norm", "adamw"),
+          "embed": ((11, 6), "embed", "adamw")}
+
+
+def _tp_dcp_model(kind, seed):
+    """(module, optimizer, mesh, layouts, TP dim) over TP_DCP as BF16 DTensors placed for `kind` (a plain module
+    for kind None: one process), values from `seed`."""
+    mesh, layouts, tp_dim = tp_mesh(kind) if kind else (None, None, None)
+    gen = torch.Generator().manual_seed(seed)
+    model = torch.nn.Module()
+    for name, (shape, layout, _) in TP_DCP.items():
+        value = (0.1 * torch.randn(shape, generator=gen)).bfloat16()
+        model.register_parameter(name, torch.nn.Parameter(dtensor(value, mesh, layouts[layout]) if mesh else value))
+    params = dict(model.named_parameters())
+    opt = MuonAdamW([{"params": [params[n] for n, spec in TP_DCP.items() if spec[2] == "muon"], "kind": "muon",
+                      "lr": 0.02},
+                     {"params": [params[n] for n, spec in TP_DCP.items() if spec[2] == "adamw"], "kind": "adamw",
+                      "lr": 0.01}])
+    return model, opt, mesh, layouts, tp_dim
+
+
+def _tp_dcp_steps(model, opt, first, last, mesh, layouts, tp_dim):
+    params = dict(model.named_parameters())
+    for step in range(first, last):
+        gen = torch.Generator().manual_seed(2000 + step)
+        for name, (shape, layout, _) in TP_DCP.items():
+            g = torch.randn(shape, generator=gen).bfloat16()
+            params[name].grad = grad_as_trainers_give_it(g, mesh, layouts[layout], layout, tp_dim) if mesh else g
+        opt.step()
+
+
+def tp_dcp_save(rank, world, kind, checkpoints):
+    """Two steps at FSDP x TP, then a DCP checkpoint of the model and the optimizer at checkpoints["tp"]."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    model, opt, mesh, layouts, tp_dim = _tp_dcp_model(kind, seed=7)
+    _tp_dcp_steps(model, opt, 0, 2, mesh, layouts, tp_dim)
+    dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+             checkpoint_id=checkpoints["tp"])
+
+
+def tp_dcp_resume(rank, world, kind, checkpoints):
+    """Loads the FSDP x TP checkpoint into a fresh model and optimizer placed
+    for `kind` (None: plain tensors in one process), steps twice, and equals
+    four uninterrupted single-process steps, bit for bit."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+
+    model, opt, mesh, layouts, tp_dim = _tp_dcp_model(kind, seed=8)  # other values: the load must replace them
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+    dcp.load(state, checkpoint_id=checkpoints["tp"])
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, opt, state["optim"])
+    _tp_dcp_steps(model, opt, 2, 4, mesh, layouts, tp_dim)
+
+    ref_model, ref, _, _, _ = _tp_dcp_model(None, seed=7)
+    _tp_dcp_steps(ref_model, ref, 0, 4, None, None, None)
+    params = dict(model.named_parameters())
+    for name, rp in ref_model.named_parameters():
+        p = params[name]
+        full = p.full_tensor() if isinstance(p, DTensor) else p
+        assert torch.equal(bits(full), bits(rp)), f"{kind}: {name}"
+        assert torch.equal(bits(opt.gather_full_parameter_master(p)), bits(ref.get_full_parameter_master(rp))), name
+        for key, value in ref.state[rp].items():
+            if key != "master_param":
+                mine = opt.state[p][key]
+                mine = mine.full_tensor() if isinstance(mine, DTensor) else mine
+                assert torch.equal(bits(mine), bits(value)), f"{kind}: {name} {key}"
