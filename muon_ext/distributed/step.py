@@ -207,8 +207,8 @@ class DistributedStep:
                                 + [int(here) for here in present] + codes + [c * c for c in codes],
                                 dtype=torch.int64, device=device)
             _all_reduce_over(mesh, bits)
-            counts = bits.tolist()
-            if counts[0]:
+            sums = bits.tolist()
+            if sums[0]:
                 if refused:
                     return  # this rank raises its own error
                 raise RuntimeError("MuonAdamW.step: the step was refused on another rank (see its error); nothing "
