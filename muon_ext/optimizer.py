@@ -153,7 +153,9 @@ class MuonAdamW(torch.optim.Optimizer):
         given = param_group.get("params") if isinstance(param_group, dict) else None
         given = [given] if isinstance(given, torch.Tensor) else given if isinstance(given, (list, tuple)) else []
         meshes = agreement.meshes_of(given)
-        if meshes:  # DTensor params: every rank must add the same group (docs/design.md, "Every call ...")
+        # DTensor params: every rank must add the same group (docs/design.md, "Every call completes or changes
+        # nothing").
+        if meshes:
             group, names = agreement.agree(f"add_param_group (param group {index})", meshes,
                                            agreement.device_of(given), checks, lambda checked: [checked[0]], 1,
                                            first_group=index)

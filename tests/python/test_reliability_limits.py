@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import muon_ext
-from optimizer_snapshot import snapshot
+from support.optimizer_snapshot import snapshot
 from test_quantized_params import QuantizedTensor
 
 

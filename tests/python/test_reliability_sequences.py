@@ -23,7 +23,7 @@ import torch
 
 import muon_ext
 from muon_ext.writers import ParamWriterError
-from optimizer_snapshot import snapshot
+from support.optimizer_snapshot import snapshot
 
 hypothesis = pytest.importorskip("hypothesis", reason="pip install '.[test]' (hypothesis)")
 from hypothesis import given, settings, strategies as st  # noqa: E402
