@@ -223,11 +223,33 @@ void round_to_bf16(float* values, int64_t n) {
   for (int64_t k = 0; k < n; ++k) values[k] = bf16_bits_to_float(float_to_bf16_bits_rne(values[k]));
 }
 
+// Rounds n FP32 values to FP16 (nearest even) in place, as a FP16 GEMM's output.
+void round_to_fp16(float* values, int64_t n) {
+  for (int64_t k = 0; k < n; ++k) values[k] = half_bits_to_float(float_to_half_bits_rne(values[k]));
+}
+
+// Rounds values to the precision of `rounding` (kNone: unchanged).
+void round_to(PolarRounding rounding, float* values, int64_t n) {
+  if (rounding == PolarRounding::kBFloat16) round_to_bf16(values, n);
+  if (rounding == PolarRounding::kFloat16) round_to_fp16(values, n);
+}
+
 // The same on a row-major view (a GEMM's output panel).
-void round_to_bf16(const at::Tensor& view) {
+void round_to(PolarRounding rounding, const at::Tensor& view) {
+  if (rounding == PolarRounding::kNone) return;
   TORCH_INTERNAL_ASSERT(view.dim() == 2 && view.stride(1) == 1);
   float* base = view.data_ptr<float>();
-  for (int64_t r = 0; r < view.size(0); ++r) round_to_bf16(base + r * view.stride(0), view.size(1));
+  for (int64_t r = 0; r < view.size(0); ++r) round_to(rounding, base + r * view.stride(0), view.size(1));
+}
+
+// The rounding of each GEMM output for a polar_dtype (FP32 GEMMs on the CPU).
+PolarRounding rounding_of(PolarDtype precision) {
+  switch (precision) {
+    case PolarDtype::kBFloat16: return PolarRounding::kBFloat16;
+    case PolarDtype::kFloat16: return PolarRounding::kFloat16;
+    case PolarDtype::kFloat32: break;
+  }
+  return PolarRounding::kNone;
 }
 
 }  // namespace
@@ -271,24 +293,25 @@ void polar_express(at::Tensor& x, const std::vector<std::array<float, 3>>& coeff
                    int64_t cols, int64_t row_blocks, int64_t max_scratch_bytes, PolarDtype precision) {
   const int64_t count = x.size(0);
   const bool bf16 = precision == PolarDtype::kBFloat16;
+  const PolarRounding rounding = rounding_of(precision);
   if (count == 0) return;
   if (coefficients.empty()) {
-    // X still enters in BF16, as on CUDA (the workspace there is BF16).
-    if (!bf16) return;
+    // X still enters in BF16 / FP16, as on CUDA (the workspace there is 16-bit).
+    if (rounding == PolarRounding::kNone) return;
     float* xs = x.data_ptr<float>();
     const int64_t n = rows * cols;
-    for_each_matrix_range(count, n,
-                          [&](int64_t j, int64_t begin, int64_t end) { round_to_bf16(xs + j * n + begin, end - begin); });
+    for_each_matrix_range(count, n, [&](int64_t j, int64_t begin, int64_t end) {
+      round_to(rounding, xs + j * n + begin, end - begin);
+    });
     return;
   }
   if (polar_small_shape(rows, cols)) {
     // Eight matrices per SIMD vector, no BLAS calls (polar_small.h).
-    polar_express_small(x.data_ptr<float>(), count, rows, cols, coefficients,
-                        bf16 ? PolarRounding::kBFloat16 : PolarRounding::kNone);
+    polar_express_small(x.data_ptr<float>(), count, rows, cols, coefficients, rounding);
     return;
   }
   const bool native = bf16 && polar_bf16_gemm() == PolarGemm::kNativeBf16;
-  const bool round_outputs = bf16 && !native;
+  const PolarRounding output_rounding = native ? PolarRounding::kNone : rounding;
   const int64_t side = std::min(rows, cols);
   const std::vector<int64_t> bounds =
       polar_block_bounds(side, row_blocks > 0 ? row_blocks : polar_row_blocks_cpu(side));
@@ -321,7 +344,7 @@ void polar_express(at::Tensor& x, const std::vector<std::array<float, 3>>& coeff
     run_tasks(members, [&](int64_t member) {
       at::Tensor into = slot(member, PolarBuffer::kX);
       into.copy_(flat_x[first + member]);  // to BF16 (nearest even) when the scratch is BF16
-      if (round_outputs) round_to_bf16(into.view({rows, cols}));
+      round_to(output_rounding, into.view({rows, cols}));
     });
     auto execute = [&](int64_t member, const PolarOp& op, const std::array<float, 3>& abc) {
       switch (op.kind) {
@@ -330,7 +353,7 @@ void polar_express(at::Tensor& x, const std::vector<std::array<float, 3>>& coeff
           at::addmm_out(out, out, view_of(slot(member, op.lhs.buffer), op.lhs),
                         view_of(slot(member, op.rhs.buffer), op.rhs), polar_scalar_value(op.beta, abc[0], abc[1], abc[2]),
                         polar_scalar_value(op.alpha, abc[0], abc[1], abc[2]));
-          if (round_outputs) round_to_bf16(out);
+          round_to(output_rounding, out);
           break;
         }
         case PolarOp::Kind::kCopy:
