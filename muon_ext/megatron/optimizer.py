@@ -308,8 +308,8 @@ class MegatronMuonAdamW(MegatronOptimizer):
 
         inner = dict(inner)
         inner["state"] = dict(inner["state"])
-        for index, p in enumerate(self._inner_params()):
-            view = self._views.get(id(self._model_param_of()[index]))
+        for index, model_param in enumerate(self._model_param_of()):
+            view = self._views.get(id(model_param))
             entry = inner["state"].get(index)
             if view is None or entry is None:
                 continue

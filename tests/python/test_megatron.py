@@ -27,3 +27,22 @@ def test_megatron_tp1_tp2_training_norms_scheduler_fp16_and_resume(tmp_path):
         (cases.fp16_skips_an_overflowing_step, ()),
         (cases.state_dict_resume_is_exact, ()),
     ], timeout_s=600)
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("use_distributed_optimizer", True, "use_distributed_optimizer"),
+    ("muon_tp_mode", "sharded", "muon_tp_mode"),
+    ("muon_scale_mode", "rms", "muon_scale_mode"),
+    ("muon_fp32_matmul_prec", "low", "muon_fp32_matmul_prec"),
+    ("muon_num_ns_steps", 0, "muon_num_ns_steps"),
+    ("muon_extra_scale_factor", 0.0, "muon_extra_scale_factor"),
+])
+def test_unsupported_configs_are_refused_before_anything_is_built(field, value, match):
+    from megatron.core.optimizer import OptimizerConfig
+
+    from muon_ext.megatron import get_megatron_muon_optimizer
+
+    config = OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True)
+    setattr(config, field, value)
+    with pytest.raises(ValueError, match=match):
+        get_megatron_muon_optimizer(config, [])  # no model, no process group: refused first
