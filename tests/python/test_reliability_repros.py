@@ -5,8 +5,6 @@ failures are reported after the call completed, the same resident and staged."""
 from __future__ import annotations
 
 import copy
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,6 +12,7 @@ import torch
 import muon_ext
 from muon_ext import quantized
 from muon_ext.writers import ParamWriterError
+from support.helpers import run_python
 from support.optimizer_snapshot import snapshot
 
 
@@ -85,7 +84,7 @@ except ValueError as e:
     assert "out_scale_inv has shape [0, 256], expected [1, 256]" in str(e), e
 print("ok")
 """
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    r = run_python(code)  # outside the source tree: the installed package, not ./muon_ext
     assert r.returncode == 0 and r.stdout.strip() == "ok", (r.returncode, r.stdout, r.stderr[-2000:])
 
 
