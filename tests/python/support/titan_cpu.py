@@ -117,7 +117,8 @@ def write_assets(folder: str, vocab_size: int = 512) -> dict:
 
 
 def llama3_config(assets: dict, out: str, *, optimizer: str, steps: int, dp_shard: int = 1, tp: int = 1,
-                  layers: int = 2, seq_len: int = 64, batch: int = 2, checkpoint_interval: int = 0):
+                  layers: int = 2, seq_len: int = 64, batch: int = 2, checkpoint_interval: int = 0,
+                  initial_load_path: str = ""):
     """torchtitan's llama3 debug model config (`llama3_debugmodel`), made small
     for a CPU: `layers` transformer layers, `seq_len` tokens, `batch` sequences
     per data-parallel rank, `steps` steps, FSDP `dp_shard` x TP `tp`, with
@@ -147,19 +148,28 @@ def llama3_config(assets: dict, out: str, *, optimizer: str, steps: int, dp_shar
     config.comm.init_timeout_seconds = 120
     config.comm.train_timeout_seconds = 120
     config.metrics.log_freq = 1
-    config.checkpoint.enable = checkpoint_interval > 0
-    config.checkpoint.interval = max(checkpoint_interval, 1)
+    config.checkpoint.enable = checkpoint_interval > 0 or bool(initial_load_path)  # loading needs it enabled
+    config.checkpoint.interval = checkpoint_interval or 10 ** 6
     config.checkpoint.folder = "checkpoint"
     config.lr_scheduler.warmup_steps = 1
+    if initial_load_path:  # the model's initial values from this checkpoint (TP initializes otherwise)
+        config.checkpoint.initial_load_path = initial_load_path
+        config.checkpoint.initial_load_model_only = True
     if optimizer == "muon":
-        config.optimizer = muon_adamw(lr=0.02, adamw_lr=8e-4)
+        # FP32 Polar Express: TP's other summation order then moves params by float rounding only (in BF16 a
+        # rounding flip moves a whole update by BF16's 0.4%).
+        config.optimizer = muon_adamw(lr=0.02, adamw_lr=8e-4, muon_options={"polar_dtype": "float32"})
     return config
 
 
-def train(config):
+def train(config, seed_checkpoint: bool = False):
     """Builds torchtitan's Trainer from `config`, trains, and returns
-    (trainer, {step: global average loss}) (the losses as its metrics log them)."""
+    (trainer, {step: global average loss}) (the losses as its metrics log them).
+    With `seed_checkpoint`, first saves the initial state as checkpoint step-0
+    (checkpointing must be enabled), for other runs' `initial_load_path`."""
     trainer = config.build()
+    if seed_checkpoint:
+        trainer.checkpointer.save(curr_step=0, last_step=True)
     losses = {}
     log = trainer.metrics_processor.log
 
