@@ -9,7 +9,9 @@ On the CPU, compare `environment.gemm_flops_per_s`: torch.optim.Muon and the see
 orthogonalize with BF16 matmuls, ours with FP32 ones, so the ratio depends on
 whether the CPU has a fast BF16 GEMM (oneDNN on AVX-512 BF16/AMX) or not.
 `--avx2-host` reruns the benchmark with the libraries capped at AVX2, which
-reproduces a CPU without one.
+reproduces a CPU without one. Per-shape fractions of the host's own GEMM rate
+(interleaved against a torch.bmm probe of the same GEMMs, 1 and 2 threads, and
+small-matrix stacks): bench/polar_rate.py.
 """
 
 from __future__ import annotations

@@ -26,8 +26,9 @@ namespace muon_ext {
 // Operand precision of the Polar-Express GEMMs (docs/design.md, "Rounding
 // contract"). kBFloat16: operands BF16, FP32 accumulation, each GEMM's output
 // (A, B and X) rounded to BF16 once, on every device. kFloat32: FP32 GEMMs
-// (on CUDA without TF32 unless torch allows it).
-enum class PolarDtype { kBFloat16, kFloat32 };
+// (on CUDA without TF32 unless torch allows it). kFloat16: as kBFloat16 with
+// IEEE FP16 (3 more mantissa bits); on the CPU always FP32 GEMMs on FP16 values.
+enum class PolarDtype { kBFloat16, kFloat32, kFloat16 };
 
 struct MuonBucket {
   // params[i] has shape [..., rows, cols] (leading dims index matrices) and is

@@ -191,8 +191,9 @@ MuonLrScale parse_lr_scale(const char* op, c10::string_view mode) {
 PolarDtype parse_polar_dtype(const char* op, c10::string_view mode) {
   const std::string value(mode);
   const int index = schema::find_mode("polar_dtype", value.c_str());
-  TORCH_CHECK_VALUE(index >= 0, op, ": polar_dtype must be 'bfloat16' or 'float32', got '", value, "'");
-  return value == "float32" ? PolarDtype::kFloat32 : PolarDtype::kBFloat16;
+  TORCH_CHECK_VALUE(index >= 0, op, ": polar_dtype must be 'bfloat16', 'float32' or 'float16', got '", value, "'");
+  if (value == "float32") return PolarDtype::kFloat32;
+  return value == "float16" ? PolarDtype::kFloat16 : PolarDtype::kBFloat16;
 }
 
 // The first ns_steps (a, b, c) triples of a flat list of coefficients.

@@ -20,7 +20,7 @@ MasterMode = Literal["none", "fp32", "remainder"]
 LrScale = Literal["original", "match_rms_adamw", "none"]
 MatrixView = Literal["error", "flatten", "batch"]
 GradAttr = Literal["grad", "main_grad"]
-PolarDtype = Literal["bfloat16", "float32"]
+PolarDtype = Literal["bfloat16", "float32", "float16"]
 
 
 @dataclass

@@ -20,7 +20,7 @@ from ._shapes import second_moment_shape
 from ._types import ParamInfo, is_dtensor
 from .schema import check_hyper, check_lr_value
 from .state import OptimizerState
-from .writers import storage_held
+from .writers import is_quantized, storage_held
 
 __all__ = ["state_dict", "load_state_dict", "check_state_dict", "apply_state_dict", "CheckedStateDict"]
 
@@ -160,6 +160,10 @@ def _check_entry(info: ParamInfo, entry: Dict, group: Dict) -> None:
             int16_ok = value.dtype == torch.int16 and p.dtype == torch.bfloat16
             if value.dtype != torch.float32 and not int16_ok:
                 raise TypeError(f"{where}: expected float32 (or int16 remainders for bfloat16 params), got {value.dtype}")
+            if value.dtype == torch.int16 and is_quantized(p):
+                raise TypeError(f"{where}: int16 remainders complete a bfloat16 param's values, and this is a "
+                                "quantized param (its values are quantized, not the master's bfloat16 high half); "
+                                "load an FP32 master (a MuonAdamW state dict)")
             if value.dtype == torch.int16 and not storage_held(p):
                 raise ValueError(f"{where}: int16 remainders complete the bfloat16 param's values, and its storage "
                                  "is released; load an FP32 master (a MuonAdamW state dict) or restore the storage")

@@ -25,6 +25,7 @@ CI tests the slot logic, residency, drain and the state views (docs/design.md,
 from __future__ import annotations
 
 import contextlib
+import os
 import weakref
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Tuple
@@ -76,6 +77,21 @@ def check_offload(offload, offload_config, capturable: bool) -> Optional[Offload
     if capturable:
         raise ValueError("offload='cpu' cannot be combined with capturable=True (a staged step is not a CUDA graph)")
     return offload_config or OffloadConfig()
+
+
+# Upper bound of FP32 state values per param element, in a slab or a slot: master, momentum and
+# NorMuon statistics (at most one per element) for Muon; master, exp_avg, exp_avg_sq for AdamW.
+_STATE_PER_ELEMENT = 3
+
+
+def _memory_of(device: torch.device) -> Optional[int]:
+    """Bytes of memory `device` has (None where unknown)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 # --------------------------------------------------------------------------
@@ -321,6 +337,29 @@ class StagedState:
                 raise ValueError(f"{where} has {p.numel()} elements ({rows}x{cols} matrices), more than "
                                  f"offload_config.slot_numel={self.config.slot_numel}; a param is never split "
                                  "across slots: raise slot_numel (or leave it None: the largest Muon param)")
+        self._check_memory(device, group)
+
+    def _check_memory(self, device: Optional[torch.device], group: dict) -> None:
+        """At construction, not at the first step: the slab (CPU memory) and the
+        staging slots (the params' device) must fit in the memory there is. The
+        bounds are generous (3 FP32 values of state per element at most), so
+        this refuses only sizes that cannot be allocated."""
+        if device is None:
+            return
+        numel = sum(layout.numel for layout in self.layouts.values())
+        muon = sum(layout.numel for layout in self.layouts.values() if layout.info.kind == "muon")
+        new = sum(p.numel() for p in group["params"])
+        muon += new if group["kind"] == "muon" else 0
+        limit = muon if self.config.slot_numel is None else min(self.config.slot_numel, muon)
+        needs = [("CPU memory for the offloaded state slabs", 4 * _STATE_PER_ELEMENT * (numel + new),
+                  torch.device("cpu")),
+                 (f"{device} memory for offload_config.buffer_count={self.config.buffer_count} staging slots of "
+                  f"{limit} matrix elements", 4 * _STATE_PER_ELEMENT * limit * self.config.buffer_count, device)]
+        for what, nbytes, where in needs:
+            total = _memory_of(where)
+            if total is not None and nbytes > total:
+                raise ValueError(f"offload='cpu': {what} need up to {nbytes} bytes, more than the {total} bytes "
+                                 f"{where} has; lower offload_config.slot_numel or buffer_count")
 
     def add(self, infos: List[ParamInfo], group: dict) -> None:
         """Puts a checked group's state into a new slab: the FP32 master from
@@ -422,7 +461,9 @@ class StagedState:
 
     def _slot_numel(self) -> int:
         if self.config.slot_numel is not None:
-            return self.config.slot_numel
+            # No chunk holds more than every Muon element: a larger slot_numel would only allocate unused memory.
+            every = sum(layout.numel for layout in self.layouts.values() if layout.info.kind == "muon")
+            return min(self.config.slot_numel, every)
         return max((layout.numel for layout in self.layouts.values() if layout.info.kind == "muon"), default=0)
 
     def _alloc_slots(self) -> None:

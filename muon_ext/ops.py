@@ -120,8 +120,11 @@ def muon_step(
     GEMMs); None takes the device's choice (CPU: side / 128, clamped to 1..8;
     CUDA: 1). It changes rounding only, never the math. `polar_dtype`:
     "bfloat16" (BF16 GEMM operands, FP32 accumulation, each GEMM output rounded
-    to BF16, on every device; see `cpu_bf16_gemm()`) or "float32" (FP32 GEMMs;
-    on CUDA TF32 only where torch allows it for its own FP32 matmuls).
+    to BF16, on every device; see `cpu_bf16_gemm()`), "float16" (the same in IEEE
+    FP16; on the CPU always FP32 GEMMs on FP16 values, outputs rounded) or
+    "float32" (FP32 GEMMs; on CUDA TF32 only where torch allows it for its own
+    FP32 matmuls). Small matrices (min(rows, cols)^2 * max(rows, cols) <= 2^20)
+    run on the CPU eight at a time without BLAS calls, where row blocks do not apply.
     `inv_scale` / `found_inf` behave as in `adamw_step`; on CUDA the call never
     syncs the host. Raises (TypeError / ValueError) before touching anything.
     """

@@ -153,7 +153,9 @@ class MuonAdamW(torch.optim.Optimizer):
         given = param_group.get("params") if isinstance(param_group, dict) else None
         given = [given] if isinstance(given, torch.Tensor) else given if isinstance(given, (list, tuple)) else []
         meshes = agreement.meshes_of(given)
-        if meshes:  # DTensor params: every rank must add the same group (docs/design.md, "Every call ...")
+        # DTensor params: every rank must add the same group (docs/design.md, "Every call completes or changes
+        # nothing").
+        if meshes:
             group, names = agreement.agree(f"add_param_group (param group {index})", meshes,
                                            agreement.device_of(given), checks, lambda checked: [checked[0]], 1,
                                            first_group=index)
@@ -298,13 +300,15 @@ class MuonAdamW(torch.optim.Optimizer):
         grads, moms = item.grads, state["momentum_buffer"]
         if view == "flatten":  # the only view that is not the tensors themselves
             params, grads, moms, masters = ([as_matrices(t, view) for t in ts] for ts in (params, grads, moms, masters))
-        ops.muon_step(
-            params, grads, moms, second_moments, masters=masters, lr=group["lr"],
-            momentum=group["momentum"], nesterov=group["nesterov"], beta2=group["beta2"],
-            weight_decay=group["weight_decay"], ns_steps=group["ns_steps"], ns_coefficients=group["ns_coefficients"],
-            lr_scale=group["lr_scale"], polar_dtype=group["polar_dtype"], inv_scale=inv_scale, found_inf=found_inf,
-            max_workspace_bytes=self.max_workspace_bytes,
-        )
+        for params, grads, moms, masters in _row_block_calls(group.get("row_blocks"), params, grads, moms, masters):
+            ops.muon_step(
+                params, grads, moms, second_moments, masters=masters, lr=group["lr"],
+                momentum=group["momentum"], nesterov=group["nesterov"], beta2=group["beta2"],
+                weight_decay=group["weight_decay"], ns_steps=group["ns_steps"],
+                ns_coefficients=group["ns_coefficients"], lr_scale=group["lr_scale"],
+                polar_dtype=group["polar_dtype"], inv_scale=inv_scale, found_inf=found_inf,
+                max_workspace_bytes=self.max_workspace_bytes,
+            )
 
     # ------------------------------------------------------------------
     # Masters
@@ -536,3 +540,19 @@ class MuonAdamW(torch.optim.Optimizer):
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
         self._states.raise_writer_failures("load_state_dict")
+
+
+def _row_block_calls(blocks, *lists):
+    """The muon_step calls of one work item: its lists as they are, or with `row_blocks`
+    each matrix cut into contiguous row-block views (disjoint, so each block is a matrix
+    of its own: orthogonalized alone, lr-scaled by its own shape), one call per block size."""
+    if not blocks:
+        return [lists]
+    by_size: Dict[int, list] = {}
+    start = 0
+    for size in blocks:
+        calls = by_size.setdefault(size, [[] for _ in lists])
+        for out, ts in zip(calls, lists):
+            out.extend(t[start:start + size] for t in ts)
+        start += size
+    return list(by_size.values())

@@ -189,16 +189,19 @@ def _lerp(start: torch.Tensor, end: torch.Tensor, weight: torch.Tensor) -> torch
     return end - (end - start) * (_f32(1.0) - weight)
 
 
-def polar_express(x: torch.Tensor, coefficients, bf16: bool = False) -> torch.Tensor:
+def polar_express(x: torch.Tensor, coefficients, bf16: bool = False, fp16: bool = False) -> torch.Tensor:
     """Polar-Express iterations on a batch of matrices x [B, rows, cols] (FP32 in and out).
 
     wide (rows <= cols): A = X X^T; B = b A + c A A; X = a X + B X
     tall (rows >  cols): A = X^T X; B = b A + c A A; X = a X + X B
     With bf16=True every GEMM takes BF16 operands, accumulates in FP32 and rounds
-    its output (A, B, X) to BF16 once: the rounding of the CUDA kernels.
+    its output (A, B, X) to BF16 once: the rounding of the CUDA kernels; fp16=True
+    the same with IEEE FP16.
     """
     def rnd(t):
-        return t.bfloat16().float() if bf16 else t
+        if bf16:
+            return t.bfloat16().float()
+        return t.half().float() if fp16 else t
 
     x = rnd(x.float())
     wide = x.shape[-2] <= x.shape[-1]
@@ -256,9 +259,9 @@ def muon_step(
         s = 1 / sqrt(max(smb, 1e-10)); X *= s * sqrt(sum(vm) red) / max(sqrt(sum(vm red s^2)), 1e-10)
       p -= lr' X + lr' wd p [X p >= 0]      (p: the FP32 master, lr' = lr * factor)
     `polar_dtype` "bfloat16" rounds every Polar-Express GEMM's operands and
-    output to BF16 (FP32 accumulation), "float32" keeps them FP32.
+    output to BF16 (FP32 accumulation), "float16" to FP16, "float32" keeps them FP32.
     """
-    if polar_dtype not in ("bfloat16", "float32"):
+    if polar_dtype not in ("bfloat16", "float32", "float16"):
         raise ValueError(f"unknown polar_dtype {polar_dtype!r}")
     if found_inf is not None and float(found_inf) != 0.0:
         return
@@ -277,7 +280,8 @@ def muon_step(
         u = _lerp(g, m, mu) if nesterov else m.clone()
         sum_sq = (u.double() ** 2).sum(dim=(-2, -1), keepdim=True).float()
         x = u * (_f32(1.0) / (_sqrt(sum_sq) * _f32(1.02) + _f32(1e-6)))
-        x = polar_express(x, coefficients[:ns_steps], bf16=polar_dtype == "bfloat16")
+        x = polar_express(x, coefficients[:ns_steps], bf16=polar_dtype == "bfloat16",
+                         fp16=polar_dtype == "float16")
         if beta2 is not None:
             x = x * _normuon_multipliers(x, second_momentum_buffers[i], beta2)
         master = _load_master(p, masters[i] if masters else None).reshape(-1, rows, cols)

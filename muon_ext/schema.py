@@ -184,6 +184,27 @@ def check_hyper(index: int, group: dict) -> None:
     _check_range(where, "ns_steps", ns_steps, kind)
     if ns_steps > len(coefficients):
         raise ValueError(f"{where}ns_steps={ns_steps} but only {len(coefficients)} coefficient tuples")
+    _check_row_blocks(where, group)
+
+
+def _check_row_blocks(where: str, group: dict) -> None:
+    """row_blocks (optional Muon key, absent = None): None, or positive row counts summing to every param's rows (its matrix under matrix_view;
+    plain params, one matrix each); each block is orthogonalized as a matrix of its own, with its own lr scale."""
+    blocks = group.get("row_blocks")
+    if blocks is None:
+        return
+    if not isinstance(blocks, (tuple, list)) or not blocks or not all(
+            isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in blocks):
+        raise ValueError(f"{where}row_blocks must be None or a non-empty tuple of positive ints, got {blocks!r}")
+    if group["beta2"] is not None:  # per-block statistics would need a state shape per block
+        raise ValueError(f"{where}row_blocks with NorMuon (beta2={group['beta2']}) is not supported: set beta2=None")
+    for i, p in enumerate(group.get("params", ())):
+        if is_dtensor(p) or (p.dim() > 2 and group["matrix_view"] == "batch"):
+            raise ValueError(f"{where}row_blocks: param {i} is a DTensor or a batch of matrices; row_blocks "
+                             "takes plain params that are one matrix each")
+        if p.dim() >= 2 and p.shape[0] != sum(blocks):
+            raise ValueError(f"{where}row_blocks {tuple(blocks)} sum to {sum(blocks)} rows, param {i} has "
+                             f"{p.shape[0]}")
 
 
 def check_options(master_weights, grad_attr, max_workspace_bytes) -> None:

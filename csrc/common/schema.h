@@ -52,7 +52,7 @@ inline constexpr Mode kModes[] = {
     {"matrix_view", {"error", "flatten", "batch"}, 3},
     {"master", {"none", "fp32", "remainder"}, 3},
     {"grad_attr", {"grad", "main_grad"}, 2},
-    {"polar_dtype", {"bfloat16", "float32"}, 2},
+    {"polar_dtype", {"bfloat16", "float32", "float16"}, 3},
 };
 
 inline const Range* find_range(const char* kind, const char* name) {

@@ -29,6 +29,7 @@
 #include "../common/bits.h"
 #include "../common/polar_plan.h"
 #include "../common/remainder.h"
+#include "polar_small.h"
 #include "scalar_io.h"
 #include "scalar_kind.h"
 
@@ -82,6 +83,23 @@ void for_each_matrix_range(int64_t matrices, int64_t matrix_numel, const Fn& fn)
 
 int64_t items_per_matrix(int64_t matrix_numel) { return (matrix_numel + kWorkItem - 1) / kWorkItem; }
 
+// Each tensor's data pointer, taken once per step: with thousands of tiny
+// matrices, data_ptr()'s checks per matrix cost more than the matrix's math.
+template <typename T = void>
+std::vector<T*> data_pointers(const std::vector<at::Tensor>& tensors) {
+  std::vector<T*> out;
+  out.reserve(tensors.size());
+  for (const at::Tensor& t : tensors) out.push_back(static_cast<T*>(t.data_ptr()));
+  return out;
+}
+
+std::vector<const void*> const_data_pointers(const std::vector<at::Tensor>& tensors) {
+  std::vector<const void*> out;
+  out.reserve(tensors.size());
+  for (const at::Tensor& t : tensors) out.push_back(t.const_data_ptr());
+  return out;
+}
+
 // X = u / (||u||_F * 1.02 + 1e-6) in place on `count` contiguous matrices of n
 // elements, from per-work-item partial sums of u^2 (partial[j * items + item],
 // each the sum_of_squares of one kWorkItem range), combined in item order:
@@ -110,10 +128,12 @@ void momentum_and_scale(const MuonBucket& b, const MuonStepOptions& o, const std
   const bool nesterov = o.hyper.nesterov;
   dispatch_storage(scalar_kind(b.grads[0].scalar_type()), [&](auto grad_storage) {
     constexpr ScalarKind G = decltype(grad_storage)::value;
+    const std::vector<const void*> grads = const_data_pointers(b.grads);
+    const std::vector<float*> moms = data_pointers<float>(b.momentum_buffers);
     for_each_matrix_range(count, n, [&](int64_t j, int64_t begin, int64_t end) {
       const int64_t offset = mats[j].index * n;
-      const void* grad = b.grads[mats[j].param].const_data_ptr();
-      float* mom = b.momentum_buffers[mats[j].param].data_ptr<float>() + offset;
+      const void* grad = grads[mats[j].param];
+      float* mom = moms[mats[j].param] + offset;
       float* out = xs + j * n;
       for (int64_t k = begin; k < end; ++k) {
         out[k] = muon_ext::muon_momentum(mom[k], load_scalar<G>(grad, offset + k) * inv_scale, mu, nesterov);
@@ -203,11 +223,33 @@ void round_to_bf16(float* values, int64_t n) {
   for (int64_t k = 0; k < n; ++k) values[k] = bf16_bits_to_float(float_to_bf16_bits_rne(values[k]));
 }
 
+// Rounds n FP32 values to FP16 (nearest even) in place, as a FP16 GEMM's output.
+void round_to_fp16(float* values, int64_t n) {
+  for (int64_t k = 0; k < n; ++k) values[k] = half_bits_to_float(float_to_half_bits_rne(values[k]));
+}
+
+// Rounds values to the precision of `rounding` (kNone: unchanged).
+void round_to(PolarRounding rounding, float* values, int64_t n) {
+  if (rounding == PolarRounding::kBFloat16) round_to_bf16(values, n);
+  if (rounding == PolarRounding::kFloat16) round_to_fp16(values, n);
+}
+
 // The same on a row-major view (a GEMM's output panel).
-void round_to_bf16(const at::Tensor& view) {
+void round_to(PolarRounding rounding, const at::Tensor& view) {
+  if (rounding == PolarRounding::kNone) return;
   TORCH_INTERNAL_ASSERT(view.dim() == 2 && view.stride(1) == 1);
   float* base = view.data_ptr<float>();
-  for (int64_t r = 0; r < view.size(0); ++r) round_to_bf16(base + r * view.stride(0), view.size(1));
+  for (int64_t r = 0; r < view.size(0); ++r) round_to(rounding, base + r * view.stride(0), view.size(1));
+}
+
+// The rounding of each GEMM output for a polar_dtype (FP32 GEMMs on the CPU).
+PolarRounding rounding_of(PolarDtype precision) {
+  switch (precision) {
+    case PolarDtype::kBFloat16: return PolarRounding::kBFloat16;
+    case PolarDtype::kFloat16: return PolarRounding::kFloat16;
+    case PolarDtype::kFloat32: break;
+  }
+  return PolarRounding::kNone;
 }
 
 }  // namespace
@@ -251,18 +293,25 @@ void polar_express(at::Tensor& x, const std::vector<std::array<float, 3>>& coeff
                    int64_t cols, int64_t row_blocks, int64_t max_scratch_bytes, PolarDtype precision) {
   const int64_t count = x.size(0);
   const bool bf16 = precision == PolarDtype::kBFloat16;
+  const PolarRounding rounding = rounding_of(precision);
   if (count == 0) return;
   if (coefficients.empty()) {
-    // X still enters in BF16, as on CUDA (the workspace there is BF16).
-    if (!bf16) return;
+    // X still enters in BF16 / FP16, as on CUDA (the workspace there is 16-bit).
+    if (rounding == PolarRounding::kNone) return;
     float* xs = x.data_ptr<float>();
     const int64_t n = rows * cols;
-    for_each_matrix_range(count, n,
-                          [&](int64_t j, int64_t begin, int64_t end) { round_to_bf16(xs + j * n + begin, end - begin); });
+    for_each_matrix_range(count, n, [&](int64_t j, int64_t begin, int64_t end) {
+      round_to(rounding, xs + j * n + begin, end - begin);
+    });
+    return;
+  }
+  if (polar_small_shape(rows, cols)) {
+    // Eight matrices per SIMD vector, no BLAS calls (polar_small.h).
+    polar_express_small(x.data_ptr<float>(), count, rows, cols, coefficients, rounding);
     return;
   }
   const bool native = bf16 && polar_bf16_gemm() == PolarGemm::kNativeBf16;
-  const bool round_outputs = bf16 && !native;
+  const PolarRounding output_rounding = native ? PolarRounding::kNone : rounding;
   const int64_t side = std::min(rows, cols);
   const std::vector<int64_t> bounds =
       polar_block_bounds(side, row_blocks > 0 ? row_blocks : polar_row_blocks_cpu(side));
@@ -295,32 +344,44 @@ void polar_express(at::Tensor& x, const std::vector<std::array<float, 3>>& coeff
     run_tasks(members, [&](int64_t member) {
       at::Tensor into = slot(member, PolarBuffer::kX);
       into.copy_(flat_x[first + member]);  // to BF16 (nearest even) when the scratch is BF16
-      if (round_outputs) round_to_bf16(into.view({rows, cols}));
+      round_to(output_rounding, into.view({rows, cols}));
     });
-    for (const auto& abc : coefficients) {
-      for (const std::vector<PolarOp>& stage : stages) {
-        const int64_t ops = static_cast<int64_t>(stage.size());
-        run_tasks(members * ops, [&](int64_t task) {
-          const int64_t member = task / ops;
-          const PolarOp& op = stage[task % ops];
-          switch (op.kind) {
-            case PolarOp::Kind::kGemm: {
-              at::Tensor out = view_of(slot(member, op.out.buffer), op.out);
-              at::addmm_out(out, out, view_of(slot(member, op.lhs.buffer), op.lhs),
-                            view_of(slot(member, op.rhs.buffer), op.rhs),
-                            polar_scalar_value(op.beta, abc[0], abc[1], abc[2]),
-                            polar_scalar_value(op.alpha, abc[0], abc[1], abc[2]));
-              if (round_outputs) round_to_bf16(out);
-              break;
-            }
-            case PolarOp::Kind::kCopy:
-              slot(member, op.to).copy_(slot(member, op.from));
-              break;
-            case PolarOp::Kind::kMirror:
-              mirror_upper_blocks(slot(member, op.to), side, bounds);
-              break;
+    auto execute = [&](int64_t member, const PolarOp& op, const std::array<float, 3>& abc) {
+      switch (op.kind) {
+        case PolarOp::Kind::kGemm: {
+          at::Tensor out = view_of(slot(member, op.out.buffer), op.out);
+          at::addmm_out(out, out, view_of(slot(member, op.lhs.buffer), op.lhs),
+                        view_of(slot(member, op.rhs.buffer), op.rhs), polar_scalar_value(op.beta, abc[0], abc[1], abc[2]),
+                        polar_scalar_value(op.alpha, abc[0], abc[1], abc[2]));
+          round_to(output_rounding, out);
+          break;
+        }
+        case PolarOp::Kind::kCopy:
+          slot(member, op.to).copy_(slot(member, op.from));
+          break;
+        case PolarOp::Kind::kMirror:
+          mirror_upper_blocks(slot(member, op.to), side, bounds);
+          break;
+      }
+    };
+    if (members == group && group == at::get_num_threads() && group > 1) {
+      // A matrix per thread, start to end: no barrier between stages, and a
+      // matrix's scratch stays in its thread's cache. The same calls on the
+      // same panels as below, so the same bits.
+      run_tasks(members, [&](int64_t member) {
+        for (const auto& abc : coefficients) {
+          for (const std::vector<PolarOp>& stage : stages) {
+            for (const PolarOp& op : stage) execute(member, op, abc);
           }
-        });
+        }
+      });
+    } else {
+      // Fewer matrices than threads: the threads share each stage's panels.
+      for (const auto& abc : coefficients) {
+        for (const std::vector<PolarOp>& stage : stages) {
+          const int64_t ops = static_cast<int64_t>(stage.size());
+          run_tasks(members * ops, [&](int64_t task) { execute(task / ops, stage[task % ops], abc); });
+        }
       }
     }
     run_tasks(members, [&](int64_t member) { flat_x[first + member].copy_(slot(member, PolarBuffer::kX)); });
@@ -434,10 +495,12 @@ void apply_update(const MuonBucket& b, const std::vector<MatrixRef>& mats, const
   dispatch_param(b.params[0].scalar_type(), b.master_kind, [&](auto param_storage, auto master_kind) {
     constexpr ScalarKind P = decltype(param_storage)::value;
     constexpr MasterKind M = decltype(master_kind)::value;
+    const std::vector<void*> params = data_pointers(b.params);
+    const std::vector<void*> masters = data_pointers(b.masters);
     for_each_matrix_range(static_cast<int64_t>(mats.size()), n, [&](int64_t j, int64_t begin, int64_t end) {
       const int64_t p = mats[j].param;
-      void* master = b.masters.empty() ? nullptr : b.masters[p].data_ptr();
-      apply_range<P, M>(b.params[p].data_ptr(), master, xs + j * n, mult != nullptr ? mult->data() + j * len : nullptr,
+      void* master = masters.empty() ? nullptr : masters[p];
+      apply_range<P, M>(params[p], master, xs + j * n, mult != nullptr ? mult->data() + j * len : nullptr,
                         per_row, b.cols, mats[j].index * n, begin, end, lr, lr_wd);
     });
   });
@@ -486,11 +549,9 @@ void muon_step(const MuonBucket& b, const MuonStepOptions& o) {
     polar_express(x, o.coefficients, b.rows, b.cols, o.polar_row_blocks, o.max_workspace_bytes, o.polar_dtype);
     if (o.hyper.normuon) {
       const int64_t len = b.stat_length();
+      const std::vector<float*> second_moments = data_pointers<float>(b.second_momentum_buffers);
       normuon_multipliers(b.rows, b.cols, o.hyper.beta2, static_cast<int64_t>(mats.size()), x.const_data_ptr<float>(),
-                          [&](int64_t j) {
-                            return b.second_momentum_buffers[mats[j].param].data_ptr<float>() + mats[j].index * len;
-                          },
-                          mult);
+                          [&](int64_t j) { return second_moments[mats[j].param] + mats[j].index * len; }, mult);
     }
     apply_update(b, mats, x, o.hyper.normuon ? &mult : nullptr, lr, lr_wd);
   }

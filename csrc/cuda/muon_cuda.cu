@@ -8,9 +8,9 @@
 //   1. per-block sums of u^2, then the input scale 1 / (||u||_F * 1.02 + 1e-6)
 //      per matrix;
 //   2. u again, X = u * scale into the [chunk, rows, cols] workspace, rounded
-//      to BF16 (polar_dtype "bfloat16") or kept FP32 ("float32"); reading u
+//      to BF16 / FP16 (polar_dtype "bfloat16" / "float16") or kept FP32; reading u
 //      twice keeps the workspace at X's size for the same memory traffic;
-//   3. polar_express on the workspace (its dtype: BF16 or FP32 GEMMs);
+//   3. polar_express on the workspace (its dtype: BF16, FP16 or FP32 GEMMs);
 //   4. NorMuon: sums of X^2 per row or column, second moments, multipliers;
 //   5. the update X * multiplier: through cautious weight decay into the param
 //      and its master (fused step), or into the FP32 updates (phase 2).
@@ -559,8 +559,10 @@ class MatrixChunks {
     // (FP64) and scale, and the NorMuon statistics.
     const int64_t fp32_scratch = 1 + (spec.normuon ? stat_length_ : 0);
     const bool orthogonalize = !spec.coefficients->empty();
-    fp32_ = spec.polar_dtype == PolarDtype::kFloat32;
-    const at::ScalarType x_dtype = fp32_ ? at::kFloat : at::kBFloat16;
+    workspace_dtype_ = spec.polar_dtype;
+    const at::ScalarType x_dtype = spec.polar_dtype == PolarDtype::kFloat32   ? at::kFloat
+                                   : spec.polar_dtype == PolarDtype::kFloat16 ? at::kHalf
+                                                                              : at::kBFloat16;
     const int64_t per_matrix_workspace_bytes =
         numel_ * int64_t(c10::elementSize(x_dtype)) +
         (orthogonalize ? polar_express_workspace_bytes(spec.rows, spec.cols, x_dtype) : 0) +
@@ -596,20 +598,20 @@ class MatrixChunks {
   void orthogonalize(int64_t begin, int64_t end, const OperandLists<First::kDepth>& operands,
                      const MomentumArgs& momentum) const {
     static_assert(int(First::kDepth) == int(Second::kDepth), "both passes read u through the same operands");
-    if (fp32_) {
-      orthogonalize_in<First, Second, Float32>(begin, end, operands, momentum);
-    } else {
-      orthogonalize_in<First, Second, BFloat16>(begin, end, operands, momentum);
+    switch (workspace_dtype_) {
+      case PolarDtype::kFloat32: return orthogonalize_in<First, Second, Float32>(begin, end, operands, momentum);
+      case PolarDtype::kFloat16: return orthogonalize_in<First, Second, Float16>(begin, end, operands, momentum);
+      case PolarDtype::kBFloat16: return orthogonalize_in<First, Second, BFloat16>(begin, end, operands, momentum);
     }
   }
 
   // Step 5 on chunk [begin, end): each update into Sink's `operands`.
   template <typename Sink>
   void write(int64_t begin, int64_t end, const OperandLists<Sink::kDepth>& operands, const LrArgs& lr) const {
-    if (fp32_) {
-      write_in<Sink, Float32>(begin, end, operands, lr);
-    } else {
-      write_in<Sink, BFloat16>(begin, end, operands, lr);
+    switch (workspace_dtype_) {
+      case PolarDtype::kFloat32: return write_in<Sink, Float32>(begin, end, operands, lr);
+      case PolarDtype::kFloat16: return write_in<Sink, Float16>(begin, end, operands, lr);
+      case PolarDtype::kBFloat16: return write_in<Sink, BFloat16>(begin, end, operands, lr);
     }
   }
 
@@ -696,7 +698,8 @@ class MatrixChunks {
   std::vector<MatrixRef> matrices_;
   int64_t total_ = 0, capacity_ = 0, stat_length_ = 0, blocks_per_matrix_ = 0, sum_groups_ = 0;
   unsigned element_blocks_ = 0;
-  bool fp32_ = false;  // the workspace format: FP32 (polar_dtype "float32") or BF16
+  // The workspace format: FP32, FP16 or BF16, by polar_dtype.
+  PolarDtype workspace_dtype_ = PolarDtype::kBFloat16;
   at::Tensor x_, partials_, scale_, stats_;
   PolarExpressWorkspace polar_;
 };

@@ -109,9 +109,10 @@ PolarExpressWorkspace make_polar_express_workspace(int64_t capacity, int64_t row
 void polar_express(const at::Tensor& x, const std::vector<std::array<float, 3>>& coefficients,
                    const PolarExpressWorkspace& workspace, int64_t row_blocks) {
   const at::ScalarType dtype = x.scalar_type();
-  TORCH_CHECK((dtype == at::kBFloat16 || dtype == at::kFloat) && x.dim() == 3 && x.is_contiguous(),
-              "polar_express: x must be a contiguous [B, rows, cols] BF16 or FP32 tensor");
-  const bool bf16 = dtype == at::kBFloat16;
+  TORCH_CHECK((dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat) && x.dim() == 3 &&
+                  x.is_contiguous(),
+              "polar_express: x must be a contiguous [B, rows, cols] BF16, FP16 or FP32 tensor");
+  const bool half_width = dtype != at::kFloat;
   const int64_t batch = x.size(0), rows = x.size(1), cols = x.size(2);
   const int64_t s = std::min(rows, cols);
   auto fits = [batch, dtype](const at::Tensor& buffer, int64_t r, int64_t c) {
@@ -141,9 +142,10 @@ void polar_express(const at::Tensor& x, const std::vector<std::array<float, 3>>&
   // BF16: operands and outputs BF16, FP32 accumulation. FP32: FP32 throughout,
   // with TF32 tensor cores only where the user allowed them in torch
   // (torch.backends.cuda.matmul.allow_tf32), as torch's own FP32 GEMMs.
-  const cudaDataType_t data_type = bf16 ? CUDA_R_16BF : CUDA_R_32F;
+  // FP16 as BF16, in IEEE half.
+  const cudaDataType_t data_type = dtype == at::kBFloat16 ? CUDA_R_16BF : dtype == at::kHalf ? CUDA_R_16F : CUDA_R_32F;
   const cublasComputeType_t compute_type =
-      !bf16 && at::globalContext().allowTF32CuBLAS() ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+      !half_width && at::globalContext().allowTF32CuBLAS() ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
 
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   const cublasHandle_t handle = at::cuda::getCurrentCUDABlasHandle();  // bound to `stream`
@@ -177,7 +179,7 @@ void polar_express(const at::Tensor& x, const std::vector<std::array<float, 3>>&
                                          cudaMemcpyDeviceToDevice, stream));
           break;
         case PolarOp::Kind::kMirror:
-          if (bf16) {
+          if (half_width) {  // a copy of 16-bit patterns: BF16 and FP16 alike
             mirror_upper_blocks_kernel<<<mirror_grid, mirror_threads, 0, stream>>>(
                 static_cast<uint16_t*>(address(op.to, 0)), batch, s, tiles, device_bounds);
           } else {

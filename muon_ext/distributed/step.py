@@ -187,10 +187,10 @@ class DistributedStep:
 
     def _agree(self, infos: List[ParamInfo], grads: Dict, refused: bool, grad_attr: str, groups: List[dict],
                scaler: bool) -> None:
-        """One all_reduce per mesh of [refused, GradScaler present, settings
-        digest and its square, then per param: grad present, a code of its
-        grad's placements, its square]: every rank sees the same sums, so every
-        rank takes the same decision."""
+        """One all_reduce per mesh of [refused, GradScaler present, a digest of
+        the groups' settings and its square, then per param: grad present, a
+        code of its grad's placements and its square]: every rank sees the same
+        sums, so every rank takes the same decision."""
         by_mesh: Dict[object, List[ParamInfo]] = {}
         for info in infos:
             by_mesh.setdefault(info.param.device_mesh, []).append(info)
@@ -207,22 +207,22 @@ class DistributedStep:
                                 + [int(here) for here in present] + codes + [c * c for c in codes],
                                 dtype=torch.int64, device=device)
             _all_reduce_over(mesh, bits)
-            counts = bits.tolist()
-            if counts[0]:
+            sums = bits.tolist()
+            if sums[0]:
                 if refused:
                     return  # this rank raises its own error
                 raise RuntimeError("MuonAdamW.step: the step was refused on another rank (see its error); nothing "
                                    "was written on any rank")
-            if 0 < counts[1] < mesh.size():
-                raise ValueError(f"MuonAdamW.step: a GradScaler drives this step on {counts[1]} of {mesh.size()} "
+            if 0 < sums[1] < mesh.size():
+                raise ValueError(f"MuonAdamW.step: a GradScaler drives this step on {sums[1]} of {mesh.size()} "
                                  "ranks; use one on every rank or on none; nothing was written on any rank")
-            if mesh.size() * counts[3] != counts[2] * counts[2]:
+            if mesh.size() * sums[3] != sums[2] * sums[2]:
                 raise ValueError("MuonAdamW.step: the group settings of the DTensor params differ across ranks "
                                  "(edited on some ranks only?); their exchanges would not match; nothing was "
                                  "written on any rank")
-            n = len(members)
+            n, base = len(members), 4
             for k, info in enumerate(members):
-                count, total, squares = counts[4 + k], counts[4 + n + k], counts[4 + 2 * n + k]
+                count, total, squares = sums[base + k], sums[base + n + k], sums[base + 2 * n + k]
                 if 0 < count < mesh.size():
                     raise ValueError(f"MuonAdamW.step: {info.name} has a {grad_attr} on {count} of {mesh.size()} "
                                      "ranks of its mesh; a DTensor param's grad must be present on every rank or "

@@ -128,7 +128,8 @@ def test_batched_equals_per_matrix_and_chunked_equals_unchunked(shape, count):
         assert_bit_equal(a, b, "chunked")
 
 
-@pytest.mark.parametrize("shape", [(300, 700), (700, 300), (37, 37)])
+# Shapes on the BLAS path: the small-matrix kernel (csrc/cpu/polar_small.h) has no row blocks.
+@pytest.mark.parametrize("shape", [(300, 700), (700, 300), (131, 131)])
 def test_row_blocks_change_rounding_only(shape):
     """The block-triangular products (csrc/common/polar_plan.h) are the same
     math as full GEMMs: every row-block count, including more blocks than the

@@ -132,6 +132,13 @@ def _muon_step():
                                  lr=1e-3, ns_steps=2)
 
 
+def _polar_express_small_matrices():
+    # 4096 matrices of 16x16: the small-matrix kernel (csrc/cpu/polar_small.h),
+    # groups of eight matrices handed to the threads.
+    x = torch.randn(4096, 16, 16, generator=torch.Generator().manual_seed(4))
+    return lambda: ops.muon_orthogonalize([x], beta2=None, ns_steps=2)
+
+
 PASSES = {
     "adamw_fp32": lambda: _adamw("fp32"),
     "adamw_bf16_remainder": lambda: _adamw("bf16_remainder"),
@@ -141,6 +148,7 @@ PASSES = {
     "muon_scale_and_normuon": _muon_normuon_only,
     "muon_step_passes": _muon_step_no_gemm,
     "muon_step_with_polar_express": _muon_step,
+    "polar_express_small_matrices": _polar_express_small_matrices,
 }
 
 

@@ -5,8 +5,8 @@ GradScaler use differing across ranks. A hang fails by the join deadline."""
 
 from __future__ import annotations
 
-import reliability_distributed_cases as cases
-from dist_helpers import spawn
+from support import reliability_distributed_cases as cases
+from support.dist_helpers import spawn
 
 
 def test_every_call_completes_or_raises_on_every_rank(tmp_path):

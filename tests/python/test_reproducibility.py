@@ -62,14 +62,18 @@ def muon_bucket(shape, count, seed, master_mode):
     return params, grads, moms, smbs, masters
 
 
-# Small and large, wide and tall; sides >= 256 take the block-triangular path
-# (csrc/common/polar_plan.h), sides > 128 are cut into several row panels.
-SHAPES = [(64, 64), (100, 100), (96, 160), (300, 200), (256, 256), (256, 1024), (768, 256), (520, 600)]
+# Small and large, wide and tall; up to side^2 * length = 2^20 the small-matrix
+# kernel (csrc/cpu/polar_small.h, eight matrices per vector: 19 of them fill two
+# groups and part of a third), above it BLAS; sides >= 256 take the
+# block-triangular path (csrc/common/polar_plan.h), sides > 128 are cut into
+# several row panels.
+SHAPES = [(1, 1), (8, 8), (40, 24), (64, 64), (100, 100), (96, 160), (300, 200), (256, 256), (256, 1024),
+          (768, 256), (520, 600)]
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 def test_muon_step_bits_do_not_depend_on_threads(shape):
-    count = 3 if shape[0] * shape[1] <= 300 * 200 else 1
+    count = 19 if shape[0] * shape[1] <= 64 * 64 else 3 if shape[0] * shape[1] <= 300 * 200 else 1
     bucket = muon_bucket(shape, count, seed=shape[0] + shape[1], master_mode="fp32")
 
     def run():

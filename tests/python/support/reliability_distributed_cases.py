@@ -13,10 +13,10 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 
-from distributed_cases import dtensor
+from support.distributed_cases import dtensor
 from muon_ext import MuonAdamW
 from muon_ext.writers import ParamWriterError
-from optimizer_snapshot import snapshot
+from support.optimizer_snapshot import snapshot
 
 
 def _values(shape, seed):

@@ -1,0 +1,172 @@
+"""Benchmark: CPU Polar-Express against the host's own GEMM rate, per shape.
+
+For every stack of same-shape matrices and thread count, three contenders run
+interleaved in one process (rounds of: ours with polar_dtype "bfloat16", ours
+with "float32", and a plain torch.bmm probe doing the same GEMMs: X X^T, A A
+and B X per iteration, FP32, torch's own threading). Reported per contender:
+median wall seconds with min..max over all samples, and process CPU seconds
+(robust on a shared host at 1 thread: time spent descheduled is not counted).
+`fraction` = probe seconds / ours seconds, i.e. our Polar-Express rate as a
+fraction of the measured FP32 GEMM rate on the same plain-GEMM FLOP count.
+
+Where ops.cpu_bf16_gemm() is "rounded" (no BF16 GEMM in the CPU), the
+"bfloat16" path runs FP32 GEMMs on BF16-rounded operands, so FP32 is its limit.
+
+Small-matrix stacks (many tiny matrices in one batch-view param) report a full
+muon_step (BF16 params + remainders, NorMuon) in microseconds per matrix and
+against `state_copy`: one copy_ of every state tensor the step reads or writes.
+
+Usage: python bench/polar_rate.py [--threads 1,2] [--rounds 5] [--stacks gpt,4x1024x4096,small]
+       [--out bench/results/polar_rate.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Callable, Dict, List
+
+import torch
+
+from common import environment, gpt_shapes
+from muon_ext import ops
+
+
+def polar_stacks() -> Dict[str, List[tuple]]:
+    stacks = {}
+    for shape in gpt_shapes(256, 4, 8192)["hidden"]:
+        stacks.setdefault(f"gpt_d256_{shape[0]}x{shape[1]}", []).append(shape)
+    stacks["4x1024x4096"] = [(1024, 4096)] * 4
+    return stacks
+
+
+SMALL_STACKS = {"8192x8x8": (8192, 8, 8), "70000x1x1": (70000, 1, 1), "70000x8x8": (70000, 8, 8),
+                "1024x32x32": (1024, 32, 32), "256x64x64": (256, 64, 64)}
+
+
+def sample(fn: Callable[[], None], iters: int) -> List[tuple]:
+    """(wall, cpu) seconds of each of `iters` calls."""
+    out = []
+    for _ in range(iters):
+        wall, cpu = time.perf_counter(), time.process_time()
+        fn()
+        out.append((time.perf_counter() - wall, time.process_time() - cpu))
+    return out
+
+
+def interleaved(fns: Dict[str, Callable[[], None]], rounds: int, iters: int) -> Dict[str, dict]:
+    samples = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()  # warm-up
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            samples[name] += sample(fn, iters)
+    summary = {}
+    for name, values in samples.items():
+        wall = [w for w, _ in values]
+        cpu = [c for _, c in values]
+        summary[name] = {"wall_median": statistics.median(wall), "wall_min": min(wall), "wall_max": max(wall),
+                         "cpu_median": statistics.median(cpu)}
+    return summary
+
+
+def polar_case(shapes: List[tuple], rounds: int, iters: int) -> dict:
+    rows, cols = shapes[0]
+    count = len(shapes)
+    gen = torch.Generator().manual_seed(0)
+    updates = torch.randn(count, rows, cols, generator=gen)
+    work = updates.clone()
+
+    def ours(polar_dtype):
+        def run():
+            work.copy_(updates)
+            ops.muon_orthogonalize([work], beta2=None, polar_dtype=polar_dtype)
+        return run
+
+    side, length = min(rows, cols), max(rows, cols)
+    x = torch.randn(count, side, length, generator=gen) / (side * length) ** 0.5
+    gram = torch.empty(count, side, side)
+    poly = torch.empty(count, side, side)
+    out = torch.empty(count, side, length)
+
+    def probe():
+        out.copy_(updates.view(count, side, length))  # the same copy-in as ours
+        for _ in range(5):
+            torch.bmm(x, x.mT, out=gram)
+            torch.bmm(gram, gram, out=poly)
+            torch.bmm(poly, x, out=out)
+
+    times = interleaved({"ours_bfloat16": ours("bfloat16"), "ours_float32": ours("float32"), "gemm_probe": probe},
+                        rounds, iters)
+    flops = 5 * count * (4 * side * side * length + 2 * side ** 3)
+    probe_t = times["gemm_probe"]
+    return {"shape": [rows, cols], "matrices": count, "flops": flops, "seconds": times,
+            "gemm_probe_flops_per_s": flops / probe_t["wall_median"],
+            "fraction": {k: probe_t["wall_median"] / v["wall_median"] for k, v in times.items() if k != "gemm_probe"},
+            "fraction_cpu_time": {k: probe_t["cpu_median"] / v["cpu_median"]
+                                  for k, v in times.items() if k != "gemm_probe"}}
+
+
+def small_case(shape: tuple, rounds: int, iters: int) -> dict:
+    count, rows, cols = shape
+    gen = torch.Generator().manual_seed(0)
+    params = (torch.randn(shape, generator=gen) * 0.02).bfloat16()
+    remainders = torch.zeros(shape, dtype=torch.int16)
+    grads = torch.randn(shape, generator=gen).bfloat16()
+    moms = torch.zeros(shape)
+    smbs = torch.zeros((count, rows, 1) if rows >= cols else (count, 1, cols))
+    state = [params, remainders, grads, moms, smbs]
+    copies = [torch.empty_like(t) for t in state]
+
+    def step():
+        ops.muon_step([params], [grads], [moms], [smbs], masters=[remainders], lr=0.02)
+
+    def state_copy():
+        for dst, src in zip(copies, state):
+            dst.copy_(src)
+
+    times = interleaved({"muon_step": step, "state_copy": state_copy}, rounds, iters)
+    step_t = times["muon_step"]["wall_median"]
+    return {"shape": list(shape), "seconds": times, "us_per_matrix": step_t / count * 1e6,
+            "step_over_state_copy": step_t / times["state_copy"]["wall_median"],
+            "step_over_state_copy_cpu_time": times["muon_step"]["cpu_median"] / times["state_copy"]["cpu_median"]}
+
+
+def save(path: str, results: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(results, indent=2))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--threads", default="1,2")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--stacks", default="gpt,4x1024x4096,small")
+    parser.add_argument("--out", default="bench/results/polar_rate.json")
+    args = parser.parse_args()
+    wanted = set(args.stacks.split(","))
+    results = {"benchmark": "polar_rate", "environment": environment(torch.device("cpu")), "cases": []}
+    for threads in [int(t) for t in args.threads.split(",")]:
+        torch.set_num_threads(threads)
+        for name, shapes in polar_stacks().items():
+            if ("gpt" in wanted and name.startswith("gpt")) or name in wanted:
+                iters = 1 if shapes[0][0] * shapes[0][1] >= 1 << 22 else 3
+                case = {"stack": name, "threads": threads, **polar_case(shapes, args.rounds, iters)}
+                results["cases"].append(case)
+                print(f"{threads} thr {name}: fraction {case['fraction']} cpu-time {case['fraction_cpu_time']}",
+                      flush=True)
+                save(args.out, results)
+        for name, shape in SMALL_STACKS.items():
+            if "small" in wanted or name in wanted:
+                case = {"stack": name, "threads": threads, **small_case(shape, args.rounds, 3)}
+                results["cases"].append(case)
+                print(f"{threads} thr {name}: {case['us_per_matrix']:.2f} us/matrix, "
+                      f"{case['step_over_state_copy']:.1f}x state copy", flush=True)
+                save(args.out, results)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+// Polar-Express for small matrices, eight at a time, one per SIMD lane.
+//
+// Thousands of tiny matrices (per-head blocks, expert stacks, (n, 1, 1)
+// parameters) lose everything to per-GEMM call overhead on the BLAS path: at
+// 8x8 each GEMM is a few hundred flops behind microseconds of dispatch. Here a
+// group of eight matrices is transposed into lanes (element e of matrix m at
+// lane m of vector e), and the iteration is written out with plain loops on
+// 8-wide vectors: every vector operation is the scalar one per lane, in a
+// fixed order, with no FMA contraction, so a matrix gets the same bits in any
+// lane, any group, on any thread count and at any address
+// (docs/design.md, "CPU kernels", small matrices).
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <vector>
+
+namespace muon_ext {
+namespace cpu {
+
+// Rounding of every GEMM output (and of X on entry), as in the BLAS path.
+enum class PolarRounding { kNone, kBFloat16, kFloat16 };
+
+// Shapes this kernel takes: min(rows, cols)^2 * max(rows, cols) at most this
+// many multiply-adds per product (measured crossover with the BLAS path on
+// 2 Zen3 cores: docs/design.md, "CPU kernels").
+constexpr int64_t kSmallPolarMaxWork = int64_t(1) << 20;
+
+inline bool polar_small_shape(int64_t rows, int64_t cols) {
+  const int64_t side = rows < cols ? rows : cols, length = rows < cols ? cols : rows;
+  return side * side * length <= kSmallPolarMaxWork;
+}
+
+// Runs the iterations on `count` contiguous FP32 [rows, cols] matrices at xs,
+// in place, on the intra-op threads.
+void polar_express_small(float* xs, int64_t count, int64_t rows, int64_t cols,
+                         const std::vector<std::array<float, 3>>& coefficients, PolarRounding rounding);
+
+}  // namespace cpu
+}  // namespace muon_ext

@@ -1,0 +1,48 @@
+"""MuonAdamW as Megatron-Core's Muon (muon_ext.megatron), against the real
+megatron-core on the CPU: one spawned 2-process gloo job running the cases of
+megatron_cases.py (TP=1 and TP=2 in the same world), under a collective
+timeout and a join deadline."""
+
+import importlib.util
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None
+                                or importlib.util.find_spec("megatron.core") is None,
+                                reason="megatron-core is not installed: pip install '.[megatron]'")
+
+
+def test_megatron_tp1_tp2_training_norms_scheduler_fp16_and_resume(tmp_path):
+    from support import megatron_cases as cases
+    from support.dist_helpers import spawn
+
+    spawn(tmp_path, 2, cases.run_all, [
+        (cases.dist_checkpoint_across_tp, (str(tmp_path / "ckpt"),)),
+        (cases.qk_clip_matches_megatron_math_at_tp2, ()),
+        (cases.tp_modes_against_replayed_tp1, ()),
+        (cases.qkv_split_against_hand_split_and_tp1, ()),
+        (cases.blockwise_tp2_trains_like_tp1, ()),
+        (cases.grad_norm_and_adamw_match_megatron_adam, ()),
+        (cases.scheduler_drives_lr_and_decay, ()),
+        (cases.fp16_skips_an_overflowing_step, ()),
+        (cases.state_dict_resume_is_exact, ()),
+    ], timeout_s=600)
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("use_distributed_optimizer", True, "use_distributed_optimizer"),
+    ("muon_tp_mode", "sharded", "muon_tp_mode"),
+    ("muon_scale_mode", "rms", "muon_scale_mode"),
+    ("muon_fp32_matmul_prec", "low", "muon_fp32_matmul_prec"),
+    ("muon_num_ns_steps", 0, "muon_num_ns_steps"),
+    ("muon_extra_scale_factor", 0.0, "muon_extra_scale_factor"),
+])
+def test_unsupported_configs_are_refused_before_anything_is_built(field, value, match):
+    from megatron.core.optimizer import OptimizerConfig
+
+    from muon_ext.megatron import get_megatron_muon_optimizer
+
+    config = OptimizerConfig(optimizer="adam", lr=1e-3, bf16=True)
+    setattr(config, field, value)
+    with pytest.raises(ValueError, match=match):
+        get_megatron_muon_optimizer(config, [])  # no model, no process group: refused first
