@@ -73,6 +73,8 @@ def test_no_private_members_of_other_objects_are_used():
             owner = node.value
             if isinstance(owner, ast.Name) and owner.id in allowed_owners:
                 continue
+            if isinstance(owner, ast.Call) and isinstance(owner.func, ast.Name) and owner.func.id == "super":
+                continue  # a subclass extending its base's hook (muon_ext.torchtitan) talks to itself
             if isinstance(owner, ast.Attribute):  # e.g. torch._C._x: a chain rooted in an allowed name
                 root = owner
                 while isinstance(root, ast.Attribute):

@@ -9,10 +9,16 @@ import torch
 transformers = pytest.importorskip("transformers", reason="needs transformers: pip install '.[hf]'")
 pytest.importorskip("accelerate", reason="Trainer needs accelerate: pip install '.[hf]'")
 
+import pathlib  # noqa: E402
+import sys  # noqa: E402
+
 from muon_ext import MuonAdamW  # noqa: E402
 from muon_ext.hf import MuonAdamWFactory, MuonTrainer, create_optimizer, param_groups  # noqa: E402
 
-VOCAB, SEQ, STEPS = 64, 16, 20
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "examples"))
+from train_hf import SEQ, VOCAB, Tokens  # noqa: E402  (the example's data: learnable sequences)
+
+STEPS = 20
 
 
 def tiny_llama(tie: bool, seed: int = 0):
@@ -21,21 +27,6 @@ def tiny_llama(tie: bool, seed: int = 0):
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
                                       tie_word_embeddings=tie)
     return transformers.LlamaForCausalLM(config)
-
-
-class Tokens(torch.utils.data.Dataset):
-    """Sequences of a repeating pattern with noise: learnable, so the loss falls."""
-
-    def __init__(self, n=256):
-        gen = torch.Generator().manual_seed(0)
-        base = torch.arange(SEQ) * 3 % VOCAB
-        self.rows = [(base + torch.randint(0, 4, (SEQ,), generator=gen) * (i % 2)) % VOCAB for i in range(n)]
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.rows[i], "labels": self.rows[i]}
 
 
 def _args(out, **kw):

@@ -1,0 +1,27 @@
+"""A torchtitan recipe: llama3 with MuonAdamW selected from the config.
+
+On GPUs, from a torchtitan checkout (its tests/assets hold the debug tokenizer and data):
+
+    PYTHONPATH=/path/to/muon_ext/examples torchrun --nproc_per_node 2 -m torchtitan.train \\
+        --module torchtitan_muon --config llama3_debugmodel_muon --parallelism.tensor_parallel_degree 2
+
+On a CPU-only machine: python examples/train_titan.py (applies the CPU patches torchtitan 0.3.0 needs).
+"""
+
+from torchtitan.models.llama3.config_registry import llama3_8b, llama3_debugmodel
+
+from muon_ext.torchtitan import muon_adamw
+
+
+def llama3_debugmodel_muon():
+    """torchtitan's llama3 debug model; hidden matrices on Muon (lr 0.02), embeddings, output and norms on AdamW
+    (torchtitan's debug lr 8e-4)."""
+    config = llama3_debugmodel()
+    config.optimizer = muon_adamw(lr=0.02, adamw_lr=8e-4)
+    return config
+
+
+def llama3_8b_muon():
+    config = llama3_8b()
+    config.optimizer = muon_adamw(lr=0.02, adamw_lr=3e-4, optimizer_options={"master_weights": "auto"})
+    return config
