@@ -51,10 +51,10 @@ def _hash(value) -> int:
     return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little") >> 2
 
 
-def group_digests(group: dict) -> List[int]:
-    """One digest per entry of SETTINGS (an absent key hashes as absent)."""
+def group_digests(group: dict, keys: Sequence[str] = SETTINGS) -> List[int]:
+    """One digest per entry of `keys` (an absent key hashes as absent)."""
     out = []
-    for key in SETTINGS:
+    for key in keys:
         if key == "params":
             out.append(_hash(tuple(_layout(p) for p in group.get("params", ()))))
         else:
@@ -132,14 +132,14 @@ def agree(what: str, meshes: Sequence, device: torch.device, checks: Callable[[]
     return result
 
 
-def step_digest(groups: Sequence[dict], indices: Sequence[int], scaler: bool) -> int:
-    """A 20-bit digest of the settings of groups `indices` and of whether a
-    GradScaler drives this step, for the step's sum all_reduce: carrying d and
-    d*d, the sums satisfy W * sum(d*d) == sum(d)**2 exactly when every rank's
-    d is the same (no extra collective)."""
-    digests = tuple(tuple(d for key, d in zip(SETTINGS, group_digests(groups[i])) if key not in _PER_CALL_ONLY)
-                    for i in indices)
-    return _hash((scaler,) + digests) % (1 << 20)
+_STEP_SETTINGS = tuple(key for key in SETTINGS if key not in _PER_CALL_ONLY)
+
+
+def step_digest(groups: Sequence[dict], indices: Sequence[int]) -> int:
+    """A 20-bit digest of the settings of groups `indices`, for the step's sum
+    all_reduce: carrying d and d*d, the sums satisfy W * sum(d*d) == sum(d)**2
+    exactly when every rank's d is the same (no extra collective)."""
+    return _hash(tuple(tuple(group_digests(groups[i], _STEP_SETTINGS)) for i in indices)) % (1 << 20)
 
 
 def device_of(params) -> torch.device:

@@ -199,7 +199,7 @@ class DistributedStep:
             # The settings of the mesh's groups and the GradScaler's presence, checked equal on every rank
             # without another collective (agreement.step_digest); settings edited on one rank only would
             # otherwise post mismatched exchanges.
-            digest = step_digest(groups, sorted({i.group for i in members}), scaler)
+            digest = step_digest(groups, sorted({i.group for i in members}))
             present = [grads.get(id(i.param)) is not None for i in members]
             codes = [_placements_code(grads[id(i.param)].placements) if here else 0
                      for i, here in zip(members, present)]

@@ -24,6 +24,7 @@ from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
 
 from .. import MuonAdamW
+from ..distributed.placements import local
 from .blocks import BlockStep, qkv_row_blocks
 from . import config as cfg
 from .params import MegatronParam, TensorParallelView
@@ -340,9 +341,9 @@ class MegatronMuonAdamW(MegatronOptimizer):
             out = {}
             for key, value in entry.items():
                 if key == "step":
-                    common_step = _local(value).clone() if common_step is None else common_step
+                    common_step = local(value).clone() if common_step is None else common_step
                     continue
-                value = _local(value)
+                value = local(value)
                 if tuple(value.shape) != tuple(models[index].shape):
                     raise ValueError(f"muon_ext.megatron: state '{key}' of {self._params[id(models[index])].name} "
                                      f"has shape {tuple(value.shape)}, not the param's; NorMuon statistics are not "
@@ -377,10 +378,3 @@ class MegatronMuonAdamW(MegatronOptimizer):
 def _is_qkv(mp: MegatronParam) -> bool:
     """Megatron's rule for the fused QKV weight (muon.py: is_qkv)."""
     return "linear_qkv.weight" in mp.name and mp.param.dim() == 2
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
-
