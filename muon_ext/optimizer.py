@@ -306,8 +306,8 @@ class MuonAdamW(torch.optim.Optimizer):
                 momentum=group["momentum"], nesterov=group["nesterov"], beta2=group["beta2"],
                 weight_decay=group["weight_decay"], ns_steps=group["ns_steps"],
                 ns_coefficients=group["ns_coefficients"], lr_scale=group["lr_scale"],
-                polar_dtype=group["polar_dtype"], inv_scale=inv_scale, found_inf=found_inf,
-                max_workspace_bytes=self.max_workspace_bytes,
+                polar_dtype=group["polar_dtype"], polar_method=group["polar_method"], inv_scale=inv_scale,
+                found_inf=found_inf, max_workspace_bytes=self.max_workspace_bytes,
             )
 
     # ------------------------------------------------------------------

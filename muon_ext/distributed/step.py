@@ -310,7 +310,8 @@ class DistributedStep:
         def orthogonalize(whole: List[torch.Tensor], whole_stats: List[torch.Tensor]) -> None:
             ops.muon_orthogonalize(whole, whole_stats, beta2=group["beta2"], ns_steps=group["ns_steps"],
                                    ns_coefficients=group["ns_coefficients"], max_workspace_bytes=max_workspace_bytes,
-                                   polar_dtype=group["polar_dtype"], found_inf=found_inf)
+                                   polar_dtype=group["polar_dtype"], polar_method=group["polar_method"],
+                                   found_inf=found_inf)
             self.polar_flops += len(whole) * _polar_flops(rows, cols, group["ns_steps"])
 
         if not split:  # replicated: the first replicate dim splits the work (any others repeat it)
@@ -346,8 +347,8 @@ class DistributedStep:
                 momentum=group["momentum"], nesterov=group["nesterov"], beta2=group["beta2"],
                 weight_decay=group["weight_decay"], ns_steps=group["ns_steps"],
                 ns_coefficients=group["ns_coefficients"], lr_scale=group["lr_scale"],
-                polar_dtype=group["polar_dtype"], inv_scale=inv_scale, found_inf=found_inf,
-                max_workspace_bytes=max_workspace_bytes)
+                polar_dtype=group["polar_dtype"], polar_method=group["polar_method"], inv_scale=inv_scale,
+                found_inf=found_inf, max_workspace_bytes=max_workspace_bytes)
 
 
 def agree_on_checks(param, checks: Callable[[], None], what: str) -> None:
