@@ -10,19 +10,16 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import Container, Dict, List, NamedTuple, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
 from . import _C, ops
-from ._shapes import matrix_shape
 from ._types import Kind, is_dtensor
-from .writers import is_quantized
-from .distributed.placements import check_param as check_dtensor_param
 
 __all__ = [
     "MUON_DEFAULTS", "ADAMW_DEFAULTS", "DEFAULTS", "SUPPORTED_DTYPES", "Range", "RANGES", "MODES",
-    "label", "check_hyper", "check_lr", "check_lr_value", "check_options", "new_group", "check_group",
+    "label", "check_hyper", "check_lr", "check_lr_value", "check_options", "new_group",
 ]
 
 MUON_DEFAULTS = {
@@ -218,7 +215,7 @@ def check_options(master_weights, grad_attr, max_workspace_bytes) -> None:
 def new_group(index: int, param_group: dict) -> Tuple[dict, List[Optional[str]]]:
     """A copy of `param_group` with its params as a list and its kind's defaults
     filled in, and the params' names (None where unnamed). Checks the shape of
-    the group only; `check_group` checks its settings and params."""
+    the group only; `param_rules.check_group` checks its settings and params."""
     group = dict(param_group)
     kind = group.get("kind")
     if kind not in DEFAULTS:
@@ -237,41 +234,3 @@ def new_group(index: int, param_group: dict) -> Tuple[dict, List[Optional[str]]]
         group.setdefault(key, value)
     group["params"] = params
     return group, names
-
-
-def check_group(index: int, group: dict, names: List[Optional[str]], owned: Container[int]) -> None:
-    """A new group's settings and params; `owned` holds the ids of params already in the optimizer."""
-    kind = group["kind"]
-    check_hyper(index, group)
-    seen = set()
-    for i, p in enumerate(group["params"]):
-        where = label(index, kind, i, names[i])
-        if not isinstance(p, torch.Tensor):
-            raise TypeError(f"{where}: expected a tensor, got {type(p).__name__}")
-        if id(p) in owned or id(p) in seen:
-            raise ValueError(f"{where} appears in more than one param group (or twice in one)")
-        seen.add(id(p))
-        _check_param_type(p, where, kind, group.get("matrix_view", ""))
-        if not p.is_leaf:
-            raise ValueError(f"{where}: can't optimize a non-leaf tensor")
-        if not p.is_contiguous():
-            raise ValueError(f"{where}: params must be contiguous")
-        if kind == "muon":
-            matrix_shape(p, group["matrix_view"], where)
-
-
-def _check_param_type(p: torch.Tensor, where: str, kind: str, matrix_view: str) -> None:
-    if is_dtensor(p):
-        check_dtensor_param(p, where, kind, matrix_view)
-    if not p.dtype.is_floating_point:
-        raise TypeError(f"{where} has non-floating dtype {p.dtype}")
-    if p.dtype not in SUPPORTED_DTYPES:
-        reason = "unsupported dtype"
-        if p.element_size() == 1:
-            reason = ("plain FP8 params are not supported (use a quantized tensor subclass with dequantize() and "
-                      "quantize_(src), or a BF16 param with a param writer)")
-        raise TypeError(f"{where} has dtype {p.dtype}: {reason}; supported: float32, bfloat16, float16")
-    base = p.data if isinstance(p, torch.nn.Parameter) else p
-    if type(base) is not torch.Tensor and not is_quantized(base) and not is_dtensor(base):
-        raise TypeError(f"{where} is a {type(base).__name__}: tensor subclasses are supported only as quantized "
-                        "params (with dequantize() and quantize_(src) methods)")

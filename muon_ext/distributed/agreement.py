@@ -22,7 +22,7 @@ import torch.distributed as dist
 from ..schema import DEFAULTS
 from .placements import local
 
-__all__ = ["SETTINGS", "group_digests", "agree", "step_digest", "meshes_of", "device_of"]
+__all__ = ["SETTINGS", "group_digests", "agree", "agree_over_params", "step_digest", "meshes_of", "device_of"]
 
 # Every setting of either kind, plus the group's kind and its params' layout.
 SETTINGS: Tuple[str, ...] = ("kind", "params") + tuple(sorted(set(DEFAULTS["muon"]) | set(DEFAULTS["adamw"])))
@@ -147,3 +147,13 @@ def device_of(params) -> torch.device:
         if hasattr(p, "placements"):
             return local(p).device
     return torch.device("cpu")
+
+
+def agree_over_params(what: str, params, checks: Callable[[], T], groups_of: Callable[[T], Sequence[dict]],
+                      group_count: int, first_group: int = 0) -> T:
+    """`agree` over the meshes of the DTensor params among `params`; where
+    there are none, no rank waits for another: just `checks()`."""
+    meshes = meshes_of(params)
+    if not meshes:
+        return checks()
+    return agree(what, meshes, device_of(params), checks, groups_of, group_count, first_group)

@@ -187,7 +187,7 @@ def test_slots_do_not_grow_with_the_number_of_matrices():
         params, opt = _build("cpu", muon_shapes=[(16, 32)] * count,
                              offload_config=OffloadConfig(buffer_count=2, slot_numel=512))
         _step(params, opt, 0)
-        sizes[count] = [slot.buffer.numel() for slot in opt._offload.slots]
+        sizes[count] = [slot.buffer.numel() for slot in opt._runner.slots]
     assert sizes[1] == sizes[8] and len(sizes[1]) == 2
     assert sizes[1][0] == 2 * 512 + 32  # master + momentum + the (16, 1) NorMuon statistics per 512 elements
 
@@ -246,13 +246,13 @@ def test_residency_drain_release_restore():
     opt.drain()  # idempotent
     assert opt.residency == "cpu_resident"
     opt.release_staging()
-    assert opt.residency == "staging_released" and opt._offload.slots is None
+    assert opt.residency == "staging_released" and opt._runner.slots is None
     snap = optimizer_snapshot(opt)
     with pytest.raises(RuntimeError, match=r"release_staging\(\).*restore_staging\(\)"):
         _step(params, opt, 1)
     assert_optimizer_unchanged(opt, snap)
     opt.restore_staging()
-    assert opt.residency == "cpu_resident" and len(opt._offload.slots) == 2
+    assert opt.residency == "cpu_resident" and len(opt._runner.slots) == 2
     params_a, a = _build("none")
     _step(params_a, a, 0)
     _step(params_a, a, 1)
@@ -432,7 +432,7 @@ def test_slot_reuse_waits_for_its_d2h(buffer_count):
     """Each chunk's H2D waits for the D2H of the chunk that last used its slot
     (none for the first use), compute waits for its H2D, D2H for compute_done."""
     params, opt = _build("cpu", muon_shapes=[(16, 32)] * 5, offload_config=OffloadConfig(buffer_count=buffer_count))
-    streams = opt._offload.streams = _RecordingStreams()
+    streams = opt._runner.streams = _RecordingStreams()
     for step in range(2):
         _step(params, opt, step)
     chunks = [entry for entry in streams.log if entry[0] != "begin"]

@@ -168,7 +168,7 @@ def test_release_and_restore_return_memory():
     _step(params, opt, 0)
     opt.drain()
     held = _requested_bytes()
-    slot_bytes = sum(slot.buffer.numel() * 4 for slot in opt._offload.slots)
+    slot_bytes = sum(slot.buffer.numel() * 4 for slot in opt._runner.slots)
     assert slot_bytes > 0
     opt.release_staging()
     assert opt.residency == "staging_released"
