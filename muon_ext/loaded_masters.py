@@ -3,7 +3,8 @@
 `load_state_dict` may run before or after the model weights are loaded
 (docs/design.md, "Checkpoints"). A loaded master therefore stays *pending*
 until the param's next use (a step, a master read, a state dict), and is then
-settled against the param as it is by that time:
+settled against the param as it is by that time, by where its master comes
+from (its source):
 
   * "param": no saved master; the param, as then loaded, is the master.
   * "loaded": a saved FP32 master; it stays the master where the param is then
@@ -29,12 +30,12 @@ __all__ = ["PendingMasters", "load_master", "load_remainder", "is_rounding_of"]
 
 
 class PendingMasters:
-    """The pending masters of one optimizer's params (kinds as in the module docstring)."""
+    """The pending masters of one optimizer's params (sources as in the module docstring)."""
 
     def __init__(self, states):
         """`states`: the optimizer's state.OptimizerState, whose masters these are."""
         self._states = states
-        # id(param) -> (kind, tensor or None). The tensor is what settling needs
+        # id(param) -> (source, tensor or None). The tensor is what settling needs
         # and the live state does not hold: "loaded": the BF16 param as written
         # (remainder mode; with the remainder it is the master) or the master
         # itself (no separate master); None in FP32-master mode, whose master
@@ -42,8 +43,8 @@ class PendingMasters:
         # int16 state).
         self._pending: Dict[int, Tuple[str, Optional[torch.Tensor]]] = {}
 
-    def mark(self, info: ParamInfo, kind: str, kept: Optional[torch.Tensor] = None) -> None:
-        self._pending[id(info.param)] = (kind, kept)
+    def mark(self, info: ParamInfo, source: str, kept: Optional[torch.Tensor] = None) -> None:
+        self._pending[id(info.param)] = (source, kept)
 
     def forget(self, param: torch.Tensor) -> None:
         """The param's master was written: nothing to settle."""
@@ -65,13 +66,13 @@ class PendingMasters:
                                "capturing")
         states = self._states
         for key in [k for k in self._pending if storage_held(local(states.infos[k].param))]:
-            kind, kept = self._pending[key]
+            source, kept = self._pending[key]
             info = states.infos[key]
             p = info.param
-            if kind == "param":
+            if source == "param":
                 local(states.tensors[p]["master_param"]).copy_(local(p))
                 del self._pending[key]
-            elif kind == "remainder":
+            elif source == "remainder":
                 states.write_master(info, ops.merge_master(local(p), kept))
             else:
                 self._settle_loaded(info, kept)
@@ -97,7 +98,7 @@ class PendingMasters:
         states.write_master(info, torch.where(keep, master, p.float()))
 
     def positions(self) -> List[Tuple[int, int, str, Optional[torch.Tensor]]]:
-        """(group, index, kind, kept tensor) of each param with a pending master, for pickling."""
+        """(group, index, source, kept tensor) of each param with a pending master, for pickling."""
         return [(info.group, info.index) + self._pending[key] for key, info in self._states.infos.items()
                 if key in self._pending]
 

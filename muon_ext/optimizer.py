@@ -204,23 +204,9 @@ class MuonAdamW(torch.optim.Optimizer):
         self._runner.run(work, self.param_groups, scalers)
         if dwork:
             self._distributed.run(dwork, self.param_groups, self._states, scalers, self.max_workspace_bytes)
-        self._retry_stale_writers(work)
+        self._runner.retry_stale_writers(work)
         self._states.raise_writer_failures("step")
         return loss
-
-    def _retry_stale_writers(self, work) -> None:
-        """Writers that failed at their last call and did not run in this step
-        are called again with their current master (found_inf None: whatever
-        this step did, their outputs are stale)."""
-        if not self._states.stale_writers:
-            return
-        ran = {id(p) for item, _ in work for p in item.params if not item.bucket.writes_params}
-        retry = [info for key, info in self._states.stale_writers.items() if key not in ran]
-        if retry:
-            self._runner.drain()  # staged: the step's copies of the masters back to their slabs
-        for info in retry:
-            master = self._states.tensors[info.param]["master_param"]
-            self._states.run_writer(info, master.to(info.param.device), None)
 
     # ------------------------------------------------------------------
     # Masters

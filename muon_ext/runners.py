@@ -10,7 +10,7 @@ A runner is what `MuonAdamW.step` hands the checked work items to. Two exist:
 
 The protocol the optimizer calls:
   * `run(work, groups, scalers)`: the step's planned (item, state) pairs, every
-    check passed; `drain()`: wait for copies still in flight (state then
+    check passed; `retry_stale_writers(work)` after them; `drain()`: wait for copies still in flight (state then
     authoritative); `residency`: "cpu_resident", "step_active" or
     "staging_released"; `staged`: whether state is staged at all.
   * Lifecycle hooks, no-ops when resident: `check_group` / `add` (a new param
@@ -67,6 +67,21 @@ class ResidentRunner:
 
     def adopt(self, groups: List[dict]) -> None:
         pass
+
+    def retry_stale_writers(self, work) -> None:
+        """At the end of a step: writers that failed at their last call and did
+        not run in this step are called again with their current master
+        (found_inf None: whatever this step did, their outputs are stale)."""
+        states = self.states
+        if not states.stale_writers:
+            return
+        ran = {id(p) for item, _ in work for p in item.params if not item.bucket.writes_params}
+        retry = [info for key, info in states.stale_writers.items() if key not in ran]
+        if retry:
+            self.drain()  # staged: the step's copies of the masters back to their slabs
+        for info in retry:
+            master = states.tensors[info.param]["master_param"]
+            states.run_writer(info, master.to(info.param.device), None)
 
     # -- one item ---------------------------------------------------------
 
