@@ -16,7 +16,7 @@ from typing import Dict, List, NamedTuple
 
 import torch
 
-from ._shapes import second_moment_shape
+from ._shapes import muon_stats_shape
 from ._types import ParamInfo, is_dtensor
 from .loaded_masters import load_master, load_remainder
 from .schema import check_hyper, check_lr_value
@@ -126,7 +126,7 @@ def apply_state_dict(groups: List[dict], states: OptimizerState, checked: Checke
 
 def _expected_state_shape(p: torch.Tensor, key: str, group: Dict):
     if key == "second_momentum_buffer":
-        return second_moment_shape(p, group["matrix_view"]) if group["kind"] == "muon" else None
+        return muon_stats_shape(p, group) if group["kind"] == "muon" else None
     return tuple(p.shape)
 
 

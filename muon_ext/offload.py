@@ -33,7 +33,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from . import _C
-from ._shapes import matrix_shape, second_moment_shape
+from ._shapes import matrix_shape, muon_stats_shape
 from ._types import ParamInfo, WorkItem, is_dtensor
 from .runners import ResidentRunner
 from .schema import label
@@ -113,7 +113,7 @@ class _Layout:
         if info.kind == "muon":
             regions.append(("momentum_buffer", tuple(p.shape)))
             # Reserved even with beta2=None: NorMuon may be switched on later.
-            regions.append(("second_momentum_buffer", second_moment_shape(p, group["matrix_view"])))
+            regions.append(("second_momentum_buffer", muon_stats_shape(p, group)))
         else:
             regions += [("exp_avg", tuple(p.shape)), ("exp_avg_sq", tuple(p.shape)), ("step", ())]
         self.info = info
@@ -523,10 +523,10 @@ class StagedRunner(ResidentRunner):
         limit, chunks, start, used = self._slot_numel(), [], 0, 0
         for i, p in enumerate(item.params):
             if i > start and used + p.numel() > limit:
-                chunks.append(WorkItem(item.bucket, item.group, item.params[start:i], item.grads[start:i]))
+                chunks.append(WorkItem(item.bucket, item.group, item.params[start:i], item.grads[start:i], item.blocks))
                 start, used = i, 0
             used += p.numel()
-        chunks.append(WorkItem(item.bucket, item.group, item.params[start:], item.grads[start:]))
+        chunks.append(WorkItem(item.bucket, item.group, item.params[start:], item.grads[start:], item.blocks))
         return chunks
 
     def acquire(self, item: WorkItem, state=None) -> Tuple[WorkItem, Dict[str, List[torch.Tensor]]]:

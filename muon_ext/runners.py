@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from . import ops
+from . import ops, row_blocks
 from ._shapes import as_matrices
 from ._types import WorkItem
 from .amp import GradScalerInputs
@@ -149,28 +149,5 @@ class ResidentRunner:
         grads, moms = item.grads, state["momentum_buffer"]
         if view == "flatten":  # the only view that is not the tensors themselves
             params, grads, moms, masters = ([as_matrices(t, view) for t in ts] for ts in (params, grads, moms, masters))
-        for params, grads, moms, masters in _row_block_calls(group.get("row_blocks"), params, grads, moms, masters):
-            ops.muon_step(
-                params, grads, moms, second_moments, masters=masters, lr=group["lr"],
-                momentum=group["momentum"], nesterov=group["nesterov"], beta2=group["beta2"],
-                weight_decay=group["weight_decay"], ns_steps=group["ns_steps"],
-                ns_coefficients=group["ns_coefficients"], lr_scale=group["lr_scale"],
-                polar_dtype=group["polar_dtype"], inv_scale=inv_scale, found_inf=found_inf,
-                max_workspace_bytes=self.max_workspace_bytes,
-            )
-
-
-def _row_block_calls(blocks, *lists):
-    """The muon_step calls of one work item: its lists as they are, or with `row_blocks`
-    each matrix cut into contiguous row-block views (disjoint, so each block is a matrix
-    of its own: orthogonalized alone, lr-scaled by its own shape), one call per block size."""
-    if not blocks:
-        return [lists]
-    by_size: Dict[int, list] = {}
-    start = 0
-    for size in blocks:
-        calls = by_size.setdefault(size, [[] for _ in lists])
-        for out, ts in zip(calls, lists):
-            out.extend(t[start:start + size] for t in ts)
-        start += size
-    return list(by_size.values())
+        row_blocks.muon_step(item.blocks, group, params, grads, moms, second_moments, masters, inv_scale=inv_scale,
+                             found_inf=found_inf, max_workspace_bytes=self.max_workspace_bytes)

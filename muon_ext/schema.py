@@ -14,7 +14,7 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
-from . import _C, ops
+from . import _C, ops, row_blocks
 from ._types import Kind, is_dtensor
 
 __all__ = [
@@ -185,23 +185,23 @@ def check_hyper(index: int, group: dict) -> None:
 
 
 def _check_row_blocks(where: str, group: dict) -> None:
-    """row_blocks (optional Muon key, absent = None): None, or positive row counts summing to every param's rows (its matrix under matrix_view;
-    plain params, one matrix each); each block is orthogonalized as a matrix of its own, with its own lr scale."""
-    blocks = group.get("row_blocks")
+    """row_blocks (optional Muon key, absent = None): None, contiguous sizes or index blocks of every param's
+    matrix rows (muon_ext.row_blocks; under matrix_view, global rows for a DTensor); each block is
+    orthogonalized as a matrix of its own, with its own lr scale."""
+    blocks, scales = group.get("row_blocks"), group.get("row_block_scales")
+    row_blocks.check(blocks, None, where, scales)  # the form alone, also for a group without params
     if blocks is None:
         return
-    if not isinstance(blocks, (tuple, list)) or not blocks or not all(
-            isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in blocks):
-        raise ValueError(f"{where}row_blocks must be None or a non-empty tuple of positive ints, got {blocks!r}")
-    if group["beta2"] is not None:  # per-block statistics would need a state shape per block
-        raise ValueError(f"{where}row_blocks with NorMuon (beta2={group['beta2']}) is not supported: set beta2=None")
     for i, p in enumerate(group.get("params", ())):
-        if is_dtensor(p) or (p.dim() > 2 and group["matrix_view"] == "batch"):
-            raise ValueError(f"{where}row_blocks: param {i} is a DTensor or a batch of matrices; row_blocks "
-                             "takes plain params that are one matrix each")
-        if p.dim() >= 2 and p.shape[0] != sum(blocks):
-            raise ValueError(f"{where}row_blocks {tuple(blocks)} sum to {sum(blocks)} rows, param {i} has "
-                             f"{p.shape[0]}")
+        if not isinstance(p, torch.Tensor) or p.dim() < 2:
+            continue  # refused elsewhere, by name
+        if p.dim() > 2 and group["matrix_view"] == "batch":
+            raise ValueError(f"{where}row_blocks: param {i} is a batch of matrices (matrix_view='batch'); row_blocks "
+                             "takes params that are one matrix each")
+        if is_dtensor(p) and group["beta2"] is not None:
+            raise ValueError(f"{where}row_blocks with NorMuon (beta2={group['beta2']}) is not supported for DTensor "
+                             f"params (param {i}): set beta2=None")
+        row_blocks.check(blocks, p.shape[0], where, scales)
 
 
 def check_options(master_weights, grad_attr, max_workspace_bytes) -> None:

@@ -8,7 +8,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 
 from . import ops
-from ._shapes import second_moment_shape
+from ._shapes import muon_stats_shape
 from ._types import MasterMode, ParamInfo, is_dtensor
 from .distributed.placements import local
 from .distributed.state import check_values as check_dtensor_values, stats_follow_rows, wrap as dtensor_like
@@ -111,7 +111,7 @@ class OptimizerState:
         else:
             state.setdefault("momentum_buffer", zeros(p.shape))
             if group["beta2"] is not None:
-                state.setdefault("second_momentum_buffer", zeros(second_moment_shape(p, group["matrix_view"]),
+                state.setdefault("second_momentum_buffer", zeros(muon_stats_shape(p, group),
                                                                  like_param=stats_follow_rows(p, group["matrix_view"]), rows_only=True))
         if info.master == "remainder":
             state.setdefault("master_param", zeros(p.shape, torch.int16))

@@ -25,7 +25,9 @@ from .placements import local
 __all__ = ["SETTINGS", "group_digests", "agree", "agree_over_params", "step_digest", "meshes_of", "device_of"]
 
 # Every setting of either kind, plus the group's kind and its params' layout.
-SETTINGS: Tuple[str, ...] = ("kind", "params") + tuple(sorted(set(DEFAULTS["muon"]) | set(DEFAULTS["adamw"])))
+# With the optional Muon keys that shape a step's exchanges (row blocks cut the owners' matrices).
+SETTINGS: Tuple[str, ...] = ("kind", "params") + tuple(sorted(set(DEFAULTS["muon"]) | set(DEFAULTS["adamw"]))) + (
+    "row_blocks", "row_block_scales")
 
 # Not in the step's digest: the params' layout cannot change after construction (the planner refuses
 # edited groups) and costs O(params) to hash; a tensor lr would need a host read (and lr never shapes a collective).

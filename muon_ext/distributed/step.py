@@ -22,14 +22,14 @@ from typing import Callable, Dict, List, Mapping, NamedTuple, Tuple
 import torch
 import torch.distributed as dist
 
-from .. import _C, ops
+from .. import _C, ops, row_blocks
 from .._shapes import as_matrices, matrix_shape, second_moment_shape
 from ..amp import capturing
 from .._types import ParamInfo, is_dtensor
 from ..schema import SUPPORTED_DTYPES
 from .agreement import step_digest
 from .exchange import exchange_replicated, exchange_sharded
-from .placements import Layout, expected_local_shape, is_split, layout_of, local
+from .placements import Layout, dim_indices, expected_local_shape, is_split, layout_of, local
 from .shard_group import ShardGroup, shard_group
 from .state import stats_follow_rows
 
@@ -295,8 +295,10 @@ class DistributedStep:
             return t.reshape(t.shape[0], math.prod(t.shape[1:])) if split else as_matrices(t, view)
 
         moms = [mat(local(tensors[e.info.param]["momentum_buffer"])) for e in entries]
+        blocks = row_blocks.of_group(group, rows)  # each block a matrix of its own (docs/design.md,
+        # "Row blocks"): cut at the owners' orthogonalization and at phase 3, on the rows each rank holds
         if not split and not replicas:  # every matrix is whole here, no one to share with: the fused step, same bits
-            self._muon_fused(group, entries, moms, mat, tensors, inv_scale, found_inf, max_workspace_bytes)
+            self._muon_fused(group, entries, moms, mat, tensors, inv_scale, found_inf, max_workspace_bytes, blocks)
             return
         updates = [m.new_empty(m.shape) for m in moms]
         for batch in _batches(list(range(len(entries))), lambda i: entries[i].grad.dtype):
@@ -307,11 +309,14 @@ class DistributedStep:
         if group["beta2"] is not None:
             stats = [local(tensors[e.info.param]["second_momentum_buffer"]) for e in entries]
 
-        def orthogonalize(whole: List[torch.Tensor], whole_stats: List[torch.Tensor]) -> None:
+        def orthogonalize_matrices(whole: List[torch.Tensor], whole_stats: List[torch.Tensor]) -> None:
             ops.muon_orthogonalize(whole, whole_stats, beta2=group["beta2"], ns_steps=group["ns_steps"],
                                    ns_coefficients=group["ns_coefficients"], max_workspace_bytes=max_workspace_bytes,
                                    polar_dtype=group["polar_dtype"], found_inf=found_inf)
-            self.polar_flops += len(whole) * _polar_flops(rows, cols, group["ns_steps"])
+            self.polar_flops += len(whole) * _polar_flops(*whole[0].shape[-2:], group["ns_steps"])
+
+        def orthogonalize(whole: List[torch.Tensor], whole_stats: List[torch.Tensor]) -> None:
+            row_blocks.orthogonalize_blocks(blocks, whole, whole_stats, orthogonalize_matrices)
 
         if not split:  # replicated: the first replicate dim splits the work (any others repeat it)
             self.bytes_sent += exchange_replicated(layout.ranks(replicas[0]), updates, stats, orthogonalize, first)
@@ -326,28 +331,34 @@ class DistributedStep:
                 self.bytes_sent += exchange_replicated(layout.ranks(replicas[0]), updates, stats, in_shard_group, first)
             else:
                 self.bytes_sent += in_shard_group(updates, stats)
+        runs = [(rows, 1.0, None)]  # (matrix rows for the lr scale, block scale, local rows; None: all)
+        if blocks is not None:
+            mesh = entries[0].info.param.device_mesh
+            held = dim_indices(rows, 0, tuple(mesh.mesh.shape), entries[0].info.param.placements,
+                               mesh.get_coordinate())
+            runs = row_blocks.local_runs(blocks, held)
         for batch in _batches(list(range(len(entries))), lambda i: (entries[i].param.dtype, entries[i].info.master)):
             masters = [mat(local(tensors[entries[i].info.param]["master_param"])) for i in batch
                        if "master_param" in tensors[entries[i].info.param]]
-            ops.muon_apply([mat(entries[i].param) for i in batch], [updates[i] for i in batch], masters=masters,
-                           lr=group["lr"], weight_decay=group["weight_decay"], lr_scale=group["lr_scale"],
-                           matrix_shape=(rows, cols), found_inf=found_inf)
+            params, batch_updates = [mat(entries[i].param) for i in batch], [updates[i] for i in batch]
+            for block_rows, scale, index in runs:
+                lr, weight_decay = row_blocks.scaled(group["lr"], group["weight_decay"], scale)
+                _apply_rows(index, params, batch_updates, masters, lambda ps, us, ms: ops.muon_apply(
+                    ps, us, masters=ms, lr=lr, weight_decay=weight_decay, lr_scale=group["lr_scale"],
+                    matrix_shape=(block_rows, cols), found_inf=found_inf))
 
     @staticmethod
     def _muon_fused(group: dict, entries: List[_Entry], moms, mat, tensors, inv_scale, found_inf,
-                    max_workspace_bytes: int) -> None:
+                    max_workspace_bytes: int, blocks) -> None:
         for batch in _batches(list(range(len(entries))),
                               lambda i: (entries[i].param.dtype, entries[i].info.master, entries[i].grad.dtype)):
             state = [tensors[entries[i].info.param] for i in batch]
-            ops.muon_step(
-                [mat(entries[i].param) for i in batch], [mat(entries[i].grad) for i in batch], [moms[i] for i in batch],
+            row_blocks.muon_step(
+                blocks, group, [mat(entries[i].param) for i in batch], [mat(entries[i].grad) for i in batch],
+                [moms[i] for i in batch],
                 [local(s["second_momentum_buffer"]) for s in state] if group["beta2"] is not None else [],
-                masters=[mat(local(s["master_param"])) for s in state if "master_param" in s], lr=group["lr"],
-                momentum=group["momentum"], nesterov=group["nesterov"], beta2=group["beta2"],
-                weight_decay=group["weight_decay"], ns_steps=group["ns_steps"],
-                ns_coefficients=group["ns_coefficients"], lr_scale=group["lr_scale"],
-                polar_dtype=group["polar_dtype"], inv_scale=inv_scale, found_inf=found_inf,
-                max_workspace_bytes=max_workspace_bytes)
+                [mat(local(s["master_param"])) for s in state if "master_param" in s], inv_scale=inv_scale,
+                found_inf=found_inf, max_workspace_bytes=max_workspace_bytes)
 
 
 def agree_on_checks(param, checks: Callable[[], None], what: str) -> None:
@@ -409,6 +420,23 @@ def _work(infos: List[ParamInfo], grads: Dict, groups: List[dict]):
             key = (info.group, rows, cols, tuple(p.placements), p.device_mesh) + ((view_shape,) if view_shape else ())
             muon.setdefault(key, []).append(entry)
     return list(adamw.items()), [(k[:5], v) for k, v in muon.items()]
+
+
+def _apply_rows(index, params: List[torch.Tensor], updates: List[torch.Tensor], masters: List[torch.Tensor],
+                apply) -> None:
+    """Muon phase 3 (`apply(params, updates, masters)`, elementwise) on the local rows `index` of each
+    matrix (None: all of them): gathered, applied, written back."""
+    if index is None:
+        apply(params, updates, masters)
+        return
+    if index.numel() == 0:
+        return
+    index = index.to(params[0].device)
+    rows = lambda ts: [t.index_select(0, index) for t in ts]  # noqa: E731
+    part_params, part_masters = rows(params), rows(masters)
+    apply(part_params, rows(updates), part_masters)
+    for whole, part in zip(params + masters, part_params + part_masters):
+        whole.index_copy_(0, index, part)
 
 
 def _batches(items: list, key) -> List[list]:
