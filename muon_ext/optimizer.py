@@ -205,7 +205,9 @@ class MuonAdamW(torch.optim.Optimizer):
         if dwork:
             self._distributed.run(dwork, self.param_groups, self._states, scalers, self.max_workspace_bytes)
         self._runner.retry_stale_writers(work)
-        self._states.raise_writer_failures("step")
+        # Every rank of a mesh where some rank has writers reports every rank's failures (docs/design.md, "Every
+        # call completes or changes nothing").
+        self._states.raise_writer_failures("step", self._distributed.writer_meshes)
         return loss
 
     # ------------------------------------------------------------------
@@ -406,5 +408,6 @@ class MuonAdamW(torch.optim.Optimizer):
         self._planner.invalidate()
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
-        self._states.raise_writer_failures("load_state_dict")
+        device = agreement.device_of(params)
+        self._states.raise_writer_failures("load_state_dict", [(mesh, device) for mesh in agreement.meshes_of(params)])
 

@@ -10,6 +10,7 @@ import torch
 from . import ops
 from ._shapes import muon_stats_shape
 from ._types import MasterMode, ParamInfo, is_dtensor
+from .distributed.agreement import share_failures
 from .distributed.placements import local
 from .distributed.state import check_values as check_dtensor_values, stats_follow_rows, wrap as dtensor_like
 from .distributed.state import zeros as dtensor_zeros
@@ -173,11 +174,16 @@ class OptimizerState:
         """Forgets writer failures of an earlier call that raised before reporting them."""
         self._writer_failures = []
 
-    def raise_writer_failures(self, what: str) -> None:
-        """Raises ParamWriterError for the writers that failed in this call, if any."""
+    def raise_writer_failures(self, what: str, meshes: Sequence = ()) -> None:
+        """Raises ParamWriterError for the writers that failed in this call, if
+        any; with `meshes` ((mesh, device) pairs, a collective) on every rank
+        of them where any rank's failed (agreement.share_failures)."""
         failures, self._writer_failures = self._writer_failures, []
+        ranks = None
+        if meshes:
+            ranks, failures = share_failures(meshes, failures)
         if failures:
-            raise ParamWriterError(what, failures)
+            raise ParamWriterError(what, failures, ranks)
 
     def set_writer(self, info: ParamInfo, entry: WriterEntry) -> None:
         """Gives the param a writer and an FP32 master tensor, converted exactly from its current master."""

@@ -30,7 +30,7 @@ import contextlib
 import functools
 import inspect
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
 import torch
 
@@ -46,13 +46,21 @@ class ParamWriterError(RuntimeError):
     """Raised at the end of a call (step, update_param, load_state_dict) in
     which param writers failed. The call itself completed: masters, state and
     step counts hold its result. `failures`: (param name, exception) pairs;
-    their writers are retried at the end of the next step."""
+    their writers are retried at the end of the next step. In a call with
+    DTensor params every rank of their meshes raises it (`ranks`: the global
+    ranks whose writers failed, else None); names are then "rank r: name", and
+    another rank's exception is a RemoteWriterFailure carrying its text."""
 
-    def __init__(self, what: str, failures):
+    def __init__(self, what: str, failures, ranks: Optional[List[int]] = None):
         self.failures = list(failures)
-        lines = "; ".join(f"{name}: {type(exc).__name__}: {exc}" for name, exc in self.failures)
-        super().__init__(f"{what}: completed (masters and state updated), but the param writer of "
-                         f"{len(self.failures)} param(s) failed, whose outputs are stale until their writer "
+        self.ranks = None if ranks is None else sorted(ranks)
+        where = "" if ranks is None else f" on rank(s) {self.ranks}"
+        done = "completed" if ranks is None else "completed on every rank"
+        # Another rank's exception (distributed.agreement.RemoteWriterFailure) names its own type.
+        lines = "; ".join(f"{name}: {getattr(exc, 'type_name', type(exc).__name__)}: {exc}"
+                          for name, exc in self.failures)
+        super().__init__(f"{what}: {done} (masters and state updated), but the param writer of "
+                         f"{len(self.failures)} param(s) failed{where}, whose outputs are stale until their writer "
                          f"succeeds (retried at the end of the next step): {lines}")
 
 

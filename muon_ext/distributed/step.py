@@ -59,6 +59,9 @@ class DistributedStep:
         self._shard_groups: Dict[Tuple, ShardGroup] = {}  # (layout, param shape) -> its shard group
         self._dinfos: List[ParamInfo] = []
         self._seen = 0  # how many infos _dinfos was taken from (the table only grows: add_param_group)
+        # (mesh, device) of the meshes where some rank has a param writer at this step: the step's writer
+        # failures are shared over them at its end (agreement.share_failures).
+        self.writer_meshes: List[Tuple[object, torch.device]] = []
 
     # -- checks -----------------------------------------------------------
 
@@ -156,6 +159,7 @@ class DistributedStep:
         if self._seen != len(infos):  # a param's type never changes: look again only at new groups
             self._dinfos, self._seen = dtensor_infos(infos.values()), len(infos)
         dinfos = self._dinfos
+        self.writer_meshes = []
         if not dinfos:
             return []
         if capturing():  # every rank captures, so every rank refuses, before any collective
@@ -178,7 +182,8 @@ class DistributedStep:
             except Exception as exc:  # raised after the agreement, so every rank refuses the step
                 error = exc
         refused = failed or error is not None
-        self._agree(dinfos, grads, refused, grad_attr, groups, scaler)
+        writers = any(info.writer is not None for info in infos.values())  # writers are on plain params only
+        self._agree(dinfos, grads, refused, grad_attr, groups, scaler, writers)
         if error is not None:
             raise error
         if failed:
@@ -186,11 +191,12 @@ class DistributedStep:
         return _work(dinfos, self._local_grads(dinfos, grads), groups)
 
     def _agree(self, infos: List[ParamInfo], grads: Dict, refused: bool, grad_attr: str, groups: List[dict],
-               scaler: bool) -> None:
+               scaler: bool, writers: bool) -> None:
         """One all_reduce per mesh of [refused, GradScaler present, a digest of
-        the groups' settings and its square, then per param: grad present, a
-        code of its grad's placements and its square]: every rank sees the same
-        sums, so every rank takes the same decision."""
+        the groups' settings and its square, param writers present, then per
+        param: grad present, a code of its grad's placements and its square]:
+        every rank sees the same sums, so every rank takes the same decision
+        (also whether the step's writer failures are shared at its end)."""
         by_mesh: Dict[object, List[ParamInfo]] = {}
         for info in infos:
             by_mesh.setdefault(info.param.device_mesh, []).append(info)
@@ -203,7 +209,7 @@ class DistributedStep:
             present = [grads.get(id(i.param)) is not None for i in members]
             codes = [_placements_code(grads[id(i.param)].placements) if here else 0
                      for i, here in zip(members, present)]
-            bits = torch.tensor([int(refused), int(scaler), digest, digest * digest]
+            bits = torch.tensor([int(refused), int(scaler), digest, digest * digest, int(writers)]
                                 + [int(here) for here in present] + codes + [c * c for c in codes],
                                 dtype=torch.int64, device=device)
             _all_reduce_over(mesh, bits)
@@ -220,7 +226,9 @@ class DistributedStep:
                 raise ValueError("MuonAdamW.step: the group settings of the DTensor params differ across ranks "
                                  "(edited on some ranks only?); their exchanges would not match; nothing was "
                                  "written on any rank")
-            n, base = len(members), 4
+            if sums[4]:
+                self.writer_meshes.append((mesh, device))
+            n, base = len(members), 5
             for k, info in enumerate(members):
                 count, total, squares = sums[base + k], sums[base + n + k], sums[base + 2 * n + k]
                 if 0 < count < mesh.size():
