@@ -368,18 +368,20 @@ class DistributedStep:
         stats_local = bool(stats) and stats_follow_rows(p, group)
         coefficients, steps = group["ns_coefficients"], group["ns_steps"]
         sent = 0
-        for i, update in enumerate(updates):
-            block_stats = row_blocks.block_stats(stats[i], blocks, cols) if stats and blocks is not None else None
-            for k, (local_rows, along, shape) in enumerate(parts):
-                x = update if local_rows is None else update.index_select(0, local_rows)
-                sent += polar_express_sharded(x, process_group, shard_dim, coefficients, steps)
-                self.polar_flops += _polar_flops(*shape, steps)
+        per_block_stats = [row_blocks.block_stats(s, blocks, cols) if blocks is not None else [s] for s in stats]
+        for k, (local_rows, along, shape) in enumerate(parts):
+            # every matrix of the group at once: one Gram all_reduce per iteration
+            x = torch.stack([u if local_rows is None else u.index_select(0, local_rows) for u in updates])
+            sent += polar_express_sharded(x, process_group, shard_dim, coefficients, steps)
+            self.polar_flops += len(updates) * _polar_flops(*shape, steps)
+            for i, update in enumerate(updates):
                 if stats:
-                    stat = stats[i] if block_stats is None else block_stats[k]
-                    sent += normuon_sharded(x, stat, group["beta2"], process_group, shard_dim,
+                    sent += normuon_sharded(x[i], per_block_stats[i][k], group["beta2"], process_group, shard_dim,
                                             held if along is None else along, shape, stats_local)
-                if local_rows is not None:
-                    update.index_copy_(0, local_rows, x)
+                if local_rows is None:
+                    update.copy_(x[i])
+                else:
+                    update.index_copy_(0, local_rows, x[i])
         return sent
 
     @staticmethod

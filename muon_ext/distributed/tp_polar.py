@@ -34,18 +34,20 @@ __all__ = ["polar_express_sharded", "normuon_sharded"]
 def polar_express_sharded(update: torch.Tensor, group, shard_dim: int, coefficients: Sequence[Sequence[float]],
                           ns_steps: int) -> int:
     """Orthogonalizes, in place, this rank's FP32 shard `update` of a matrix split
-    along `shard_dim` (0: rows, 1: columns) over `group`: input scale by the
-    whole matrix's norm, then `ns_steps` Polar-Express iterations with
-    `coefficients`. Collective: every rank of `group` calls it with its shard of
-    the same matrix. Returns the bytes this rank sent (all_reduce payloads)."""
+    along `shard_dim` (0: rows, 1: columns) over `group` (or a batch
+    [n, rows, cols] of such shards: one all_reduce per iteration for all of
+    them): input scale by the whole matrix's norm, then `ns_steps`
+    Polar-Express iterations with `coefficients`. Collective: every rank of
+    `group` calls it with its shard of the same matrices. Returns the bytes
+    this rank sent (all_reduce payloads)."""
     if shard_dim not in (0, 1):
         raise ValueError(f"polar_express_sharded: shard_dim must be 0 or 1, got {shard_dim!r}")
-    if update.dim() != 2 or update.dtype != torch.float32:
-        raise TypeError(f"polar_express_sharded: update must be a 2-D float32 tensor, got {update.dtype} "
-                        f"{tuple(update.shape)}")
+    if update.dim() not in (2, 3) or update.dtype != torch.float32:
+        raise TypeError(f"polar_express_sharded: update must be a 2-D (or batched 3-D) float32 tensor, got "
+                        f"{update.dtype} {tuple(update.shape)}")
     if not 0 <= ns_steps <= len(coefficients):
         raise ValueError(f"polar_express_sharded: ns_steps={ns_steps} with {len(coefficients)} coefficient tuples")
-    sum_sq = update.double().pow(2).sum().reshape(1)
+    sum_sq = update.double().pow(2).sum(dim=(-2, -1), keepdim=True)
     dist.all_reduce(sum_sq, group=group)
     sent = sum_sq.numel() * sum_sq.element_size()
     norm = torch.sqrt(sum_sq.float())
