@@ -34,7 +34,7 @@ import torch
 from . import ops
 
 __all__ = ["RowBlocks", "of_group", "parse", "check", "interleaved", "stats_shape", "stats_numel", "calls",
-           "scaled", "muon_step", "local_runs", "orthogonalize_blocks"]
+           "scaled", "muon_step", "local_runs", "orthogonalize_blocks", "block_stats", "gram_parts"]
 
 
 class RowBlocks(NamedTuple):
@@ -160,7 +160,7 @@ def stats_shape(blocks: RowBlocks, cols: int) -> Tuple[int, int]:
     return (stats_numel(blocks, cols), 1)
 
 
-def _block_stats(stats: torch.Tensor, blocks: RowBlocks, cols: int) -> List[torch.Tensor]:
+def block_stats(stats: torch.Tensor, blocks: RowBlocks, cols: int) -> List[torch.Tensor]:
     """Views of each block's statistics in a param's buffer."""
     flat, out, at = stats.view(-1), [], 0
     for b in blocks.sizes:
@@ -196,11 +196,11 @@ def calls(blocks: Optional[RowBlocks], params, grads, moms, stats, masters) -> I
     if blocks is None:
         yield 1.0, (params, grads, moms, stats, masters)
         return
-    cols = params[0].shape[-1] if params else 0
+    cols = next((ts[0].shape[-1] for ts in (params, grads, moms) if ts), 0)
     written = [params, moms, masters]
     permuted = [[_permuted(t, blocks) for t in ts] for ts in written]
     pgrads = [_permuted(g, blocks) for g in grads]
-    block_stats = [_block_stats(s, blocks, cols) for s in stats]
+    per_block_stats = [block_stats(s, blocks, cols) for s in stats]
     by_call: Dict[Tuple[int, float], List[list]] = {}
     for k, (start, size) in enumerate(zip(blocks.starts(), blocks.sizes)):
         lists = by_call.setdefault((size, blocks.scales[k]), [[], [], [], [], []])
@@ -208,7 +208,7 @@ def calls(blocks: Optional[RowBlocks], params, grads, moms, stats, masters) -> I
         lists[0].extend(t[rows] for t in permuted[0])
         lists[1].extend(g[rows] for g in pgrads)
         lists[2].extend(t[rows] for t in permuted[1])
-        lists[3].extend(s[k] for s in block_stats)
+        lists[3].extend(s[k] for s in per_block_stats)
         lists[4].extend(t[rows] for t in permuted[2])
     for (_, scale), lists in by_call.items():
         yield scale, tuple(lists)
@@ -238,9 +238,9 @@ def orthogonalize_blocks(blocks: Optional[RowBlocks], whole: List[torch.Tensor],
     if blocks is None:
         orthogonalize(whole, stats)
         return
-    for _, (_, _, updates, block_stats, _) in calls(blocks, [], [], whole, stats, []):
+    for _, (_, _, updates, stats_of_blocks, _) in calls(blocks, [], [], whole, stats, []):
         # calls() cuts (params, grads, moms, stats, masters): the updates go where moms go, written back after
-        orthogonalize(list(updates), list(block_stats))
+        orthogonalize(list(updates), list(stats_of_blocks))
 
 
 def local_runs(blocks: RowBlocks, local_rows: torch.Tensor) -> List[Tuple[int, float, torch.Tensor]]:
@@ -257,3 +257,28 @@ def local_runs(blocks: RowBlocks, local_rows: torch.Tensor) -> List[Tuple[int, f
         runs.setdefault((blocks.sizes[k], blocks.scales[k]), []).append(k)
     return [(size, scale, torch.isin(mine, torch.tensor(ks)).nonzero().flatten())
             for (size, scale), ks in runs.items()]
+
+
+def gram_parts(blocks: Optional[RowBlocks], held_rows: Optional[torch.Tensor], rows: int,
+               cols: int) -> List[Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Tuple[int, int]]]:
+    """The matrices a shard orthogonalizes in place (split_polar="gram"), in block order, the same on every
+    rank: [(its local rows, or None for all; its positions along a row split within the block, or None for
+    the shard's own; the block's whole shape)]. `held_rows`: the global rows a row-split shard holds, in local
+    order (None: the shard holds every row)."""
+    if blocks is None:
+        return [(None, None, (rows, cols))]
+    order = torch.tensor(blocks.order) if blocks.order is not None else torch.arange(rows)
+    out = []
+    for start, size in zip(blocks.starts(), blocks.sizes):
+        block_rows = order[start:start + size]
+        if held_rows is None:
+            out.append((block_rows, None, (size, cols)))
+            continue
+        position = torch.full((rows,), -1, dtype=torch.long)
+        position[block_rows] = torch.arange(size)
+        in_block = position[held_rows]
+        local = (in_block >= 0).nonzero().flatten()
+        along = in_block[local]
+        keep = along.argsort()  # the block's rows in block order, as the whole block lists them
+        out.append((local[keep], along[keep], (size, cols)))
+    return out

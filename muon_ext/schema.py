@@ -182,6 +182,13 @@ def check_hyper(index: int, group: dict) -> None:
     if ns_steps > len(coefficients):
         raise ValueError(f"{where}ns_steps={ns_steps} but only {len(coefficients)} coefficient tuples")
     _check_row_blocks(where, group)
+    if group.get("split_polar", "exchange") not in SPLIT_POLAR:
+        raise ValueError(f"{where}split_polar must be one of {SPLIT_POLAR}, got {group['split_polar']!r}")
+
+
+# How a DTensor Muon matrix split over one mesh dim is orthogonalized (optional key, absent = "exchange"):
+# gathered whole at an owner rank, or in place by Gram all_reduces (distributed/tp_polar.py; FP32 GEMMs).
+SPLIT_POLAR = ("exchange", "gram")
 
 
 def _check_row_blocks(where: str, group: dict) -> None:
@@ -198,9 +205,6 @@ def _check_row_blocks(where: str, group: dict) -> None:
         if p.dim() > 2 and group["matrix_view"] == "batch":
             raise ValueError(f"{where}row_blocks: param {i} is a batch of matrices (matrix_view='batch'); row_blocks "
                              "takes params that are one matrix each")
-        if is_dtensor(p) and group["beta2"] is not None:
-            raise ValueError(f"{where}row_blocks with NorMuon (beta2={group['beta2']}) is not supported for DTensor "
-                             f"params (param {i}): set beta2=None")
         row_blocks.check(blocks, p.shape[0], where, scales)
 
 

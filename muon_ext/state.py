@@ -113,7 +113,7 @@ class OptimizerState:
             state.setdefault("momentum_buffer", zeros(p.shape))
             if group["beta2"] is not None:
                 state.setdefault("second_momentum_buffer", zeros(muon_stats_shape(p, group),
-                                                                 like_param=stats_follow_rows(p, group["matrix_view"]), rows_only=True))
+                                                                 like_param=stats_follow_rows(p, group), rows_only=True))
         if info.master == "remainder":
             state.setdefault("master_param", zeros(p.shape, torch.int16))
         elif info.master == "fp32" and "master_param" not in state:

@@ -32,7 +32,7 @@ __all__ = ["SETTINGS", "group_digests", "agree", "agree_over_params", "step_dige
 # Every setting of either kind, plus the group's kind and its params' layout.
 # With the optional Muon keys that shape a step's exchanges (row blocks cut the owners' matrices).
 SETTINGS: Tuple[str, ...] = ("kind", "params") + tuple(sorted(set(DEFAULTS["muon"]) | set(DEFAULTS["adamw"]))) + (
-    "row_blocks", "row_block_scales")
+    "row_blocks", "row_block_scales", "split_polar")
 
 # Not in the step's digest: the params' layout cannot change after construction (the planner refuses
 # edited groups) and costs O(params) to hash; a tensor lr would need a host read (and lr never shapes a collective).

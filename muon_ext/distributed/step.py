@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .. import _C, ops, row_blocks
-from .._shapes import as_matrices, matrix_shape, second_moment_shape
+from .._shapes import as_matrices, matrix_shape, muon_stats_shape
 from ..amp import capturing
 from .._types import ParamInfo, is_dtensor
 from ..schema import SUPPORTED_DTYPES
@@ -32,6 +32,7 @@ from .exchange import exchange_replicated, exchange_sharded
 from .placements import Layout, dim_indices, expected_local_shape, is_split, layout_of, local
 from .shard_group import ShardGroup, shard_group
 from .state import stats_follow_rows
+from .tp_polar import normuon_sharded, polar_express_sharded
 
 __all__ = ["DistributedStep", "dtensor_infos", "agree_on_checks"]
 
@@ -95,8 +96,8 @@ class DistributedStep:
             planner.check_params([dataclasses.replace(info, param=lp)], local_groups, {lp: local_state},
                                  all_state=all_state, reading=reading, ranges=ranges, tag=position)
             if stat is not None and groups[info.group]["beta2"] is not None:
-                view = groups[info.group]["matrix_view"]
-                want = (lp.shape[0], 1) if stats_follow_rows(p, view) else tuple(second_moment_shape(p, view))
+                want = (lp.shape[0], 1) if stats_follow_rows(p, groups[info.group]) else tuple(
+                    muon_stats_shape(p, groups[info.group]))
                 if stat.dtype != torch.float32 or tuple(stat.shape) != want or stat.device != lp.device \
                         or not stat.is_contiguous():
                     raise ValueError(f"{info.name}: optimizer state 'second_momentum_buffer' has local shape "
@@ -326,10 +327,12 @@ class DistributedStep:
         def orthogonalize(whole: List[torch.Tensor], whole_stats: List[torch.Tensor]) -> None:
             row_blocks.orthogonalize_blocks(blocks, whole, whole_stats, orthogonalize_matrices)
 
-        if not split:  # replicated: the first replicate dim splits the work (any others repeat it)
+        if len(split) == 1 and not replicas and group.get("split_polar", "exchange") == "gram":
+            self.bytes_sent += self._gram(group, rows, cols, entries, updates, stats, layout, blocks, found_inf)
+        elif not split:  # replicated: the first replicate dim splits the work (any others repeat it)
             self.bytes_sent += exchange_replicated(layout.ranks(replicas[0]), updates, stats, orthogonalize, first)
         else:
-            stats_sharded = bool(stats) and stats_follow_rows(entries[0].info.param, view)
+            stats_sharded = bool(stats) and stats_follow_rows(entries[0].info.param, group)
             shards = self._shard_group(layout, tuple(entries[0].info.param.shape))
 
             def in_shard_group(ups: List[torch.Tensor], sts: List[torch.Tensor]) -> int:
@@ -354,6 +357,40 @@ class DistributedStep:
                 _apply_rows(index, params, batch_updates, masters, lambda ps, us, ms: ops.muon_apply(
                     ps, us, masters=ms, lr=lr, weight_decay=weight_decay, lr_scale=group["lr_scale"],
                     matrix_shape=(block_rows, cols), found_inf=found_inf))
+
+    def _gram(self, group: dict, rows: int, cols: int, entries: List[_Entry], updates: List[torch.Tensor],
+              stats: List[torch.Tensor], layout: Layout, blocks, found_inf) -> int:
+        """split_polar="gram": each matrix (each row block) orthogonalized where it lies, by tp_polar's Gram
+        all_reduces over the one mesh dim that splits it, then NorMuon with the whole matrix's statistics: no
+        rank gathers a matrix (docs/design.md, "Distributed (DTensor params)"). Returns the bytes sent."""
+        if found_inf is not None and bool(found_inf.item()):  # a skipped step must not move the statistics
+            return 0
+        p = entries[0].info.param
+        mesh_dim = layout.split_dims[0]
+        shard_dim = 0 if p.placements[mesh_dim].dim == 0 else 1
+        process_group = layout.mesh.get_group(mesh_dim)
+        mesh_shape, coordinate = tuple(layout.mesh.mesh.shape), layout.mesh.get_coordinate()
+        held = dim_indices(rows, 0, mesh_shape, p.placements, coordinate) if shard_dim == 0 else \
+            _held_columns(p, mesh_shape, coordinate)
+        parts = row_blocks.gram_parts(blocks, held if shard_dim == 0 else None, rows, cols)
+        stats_local = bool(stats) and stats_follow_rows(p, group)
+        coefficients, steps = group["ns_coefficients"], group["ns_steps"]
+        sent = 0
+        per_block_stats = [row_blocks.block_stats(s, blocks, cols) if blocks is not None else [s] for s in stats]
+        for k, (local_rows, along, shape) in enumerate(parts):
+            # every matrix of the group at once: one Gram all_reduce per iteration
+            x = torch.stack([u if local_rows is None else u.index_select(0, local_rows) for u in updates])
+            sent += polar_express_sharded(x, process_group, shard_dim, coefficients, steps)
+            self.polar_flops += len(updates) * _polar_flops(*shape, steps)
+            for i, update in enumerate(updates):
+                if stats:
+                    sent += normuon_sharded(x[i], per_block_stats[i][k], group["beta2"], process_group, shard_dim,
+                                            held if along is None else along, shape, stats_local)
+                if local_rows is None:
+                    update.copy_(x[i])
+                else:
+                    update.index_copy_(0, local_rows, x[i])
+        return sent
 
     @staticmethod
     def _muon_fused(group: dict, entries: List[_Entry], moms, mat, tensors, inv_scale, found_inf,
@@ -428,6 +465,14 @@ def _work(infos: List[ParamInfo], grads: Dict, groups: List[dict]):
             key = (info.group, rows, cols, tuple(p.placements), p.device_mesh) + ((view_shape,) if view_shape else ())
             muon.setdefault(key, []).append(entry)
     return list(adamw.items()), [(k[:5], v) for k, v in muon.items()]
+
+
+def _held_columns(p, mesh_shape, coordinate) -> torch.Tensor:
+    """The columns of `p`'s matrix (dims 1.. flattened) this rank holds, in local order."""
+    index = torch.arange(math.prod(p.shape[1:])).view(p.shape[1:])
+    for dim in range(1, p.dim()):
+        index = index.index_select(dim - 1, dim_indices(p.shape[dim], dim, mesh_shape, p.placements, coordinate))
+    return index.reshape(-1)
 
 
 def _apply_rows(index, params: List[torch.Tensor], updates: List[torch.Tensor], masters: List[torch.Tensor],
