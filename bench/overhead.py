@@ -65,9 +65,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--gpt-steps", type=int, default=20)
     parser.add_argument("--label", default="")
+    parser.add_argument("--tiny-only", action="store_true",
+                        help="only the tiny-params case, --steps steps after 5 warm-up steps, no timing output "
+                             "(for instruction counts: run under valgrind --tool=callgrind at two --steps and "
+                             "divide the difference of the totals by the difference of the steps)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     import muon_ext
+    if args.tiny_only:
+        from muon_ext import MuonAdamW
+        opt = MuonAdamW(tiny_params())
+        for _ in range(5 + args.steps):
+            opt.step()
+        return
     result = {"label": args.label, "muon_ext": muon_ext.__file__,
               "tiny_1000": measure(tiny_params(), args.steps),
               "gpt_d128_L2_bf16": measure(gpt_params(), args.gpt_steps)}

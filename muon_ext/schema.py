@@ -15,7 +15,7 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 import torch
 
 from . import _C, ops, row_blocks
-from ._types import Kind, is_dtensor
+from ._types import Kind
 
 __all__ = [
     "MUON_DEFAULTS", "ADAMW_DEFAULTS", "DEFAULTS", "SUPPORTED_DTYPES", "Range", "RANGES", "MODES",
