@@ -418,7 +418,9 @@ def normuon_tp_modes_split_qkv_and_resume(path: str) -> None:
     resumed_model, resumed = build(1, muon_tp_mode="distributed", **shape)
     _load(resumed_model, resumed, where)
     stats = [s["second_momentum_buffer"] for s in resumed.optimizer.state.values() if "second_momentum_buffer" in s]
-    assert len(stats) == 8 and all(bool((t > 0).all()) for t in stats), "NorMuon statistics were not restored"
+    muon_params = sum(mp.kind == "muon" for mp in resumed._params.values())
+    assert len(stats) == muon_params > 0 and all(bool((t > 0).all()) for t in stats), \
+        "NorMuon statistics were not restored"
     worst = max(worst, compare(replay(resumed_model, resumed, grads[2:]), want[2:],
                                "NorMuon resumed TP=2 -> TP=1", DISTRIBUTED_ATOL))
     if dist.get_rank() == 0:
