@@ -116,8 +116,8 @@ wants offload && stage bench_offload 240 "$PY" bench/offload.py --device cuda --
 wants quantize && stage bench_quantize 120 "$PY" bench/quantize.py --device cuda --out "$OUT/quantize.json"
 if wants sanitize; then
   SANITIZER="$CUDA_HOME/bin/compute-sanitizer"
-  SANITIZED_TESTS=(tests/python/test_muon_phases_cuda.py tests/python/test_quantize_fp8_cuda.py
-                   tests/python/test_adamw_cuda.py -m gpu -q -x -p no:cacheprovider
+  SANITIZED_TESTS=(tests/python/test_muon_phases.py tests/python/test_quantize_fp8.py
+                   tests/python/test_adamw.py -m gpu -q -x -p no:cacheprovider
                    -k "odd or experts or one or None or empty or many")
   if [ -x "$SANITIZER" ]; then
     for tool in memcheck racecheck; do

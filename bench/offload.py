@@ -71,8 +71,8 @@ def pinned_bandwidth(nbytes: int) -> dict:
 def staged_bandwidth(opt) -> dict:
     """GB/s of the staged Muon state copies: each step moves every Muon param's
     slab region H2D and back D2H; timed as the whole step's copy streams."""
-    streams = opt._offload.streams
-    nbytes = sum(layout.size * 4 for layout in opt._offload.layouts.values() if layout.info.kind == "muon")
+    streams = opt._runner.streams
+    nbytes = sum(layout.size * 4 for layout in opt._runner.layouts.values() if layout.info.kind == "muon")
     out = {}
     for name, stream in (("h2d", streams.h2d), ("d2h", streams.d2h)):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -119,7 +119,7 @@ def main():
         results[mode]["seconds_per_step"] = seconds
     results["offload_over_resident_time"] = times["offload"] / times["resident"]
     if device.type == "cuda":
-        nbytes = sum(layout.size * 4 for layout in opts["offload"]._offload.layouts.values())
+        nbytes = sum(layout.size * 4 for layout in opts["offload"]._runner.layouts.values())
         results["pinned_copy_gb_per_s"] = pinned_bandwidth(min(nbytes, 1 << 30))
         results["staged_copy_gb_per_s"] = staged_bandwidth(opts["offload"])
     del opts

@@ -7,9 +7,10 @@ from typing import Tuple
 
 import torch
 
+from . import row_blocks
 from ._types import MatrixView
 
-__all__ = ["matrix_shape", "as_matrices", "second_moment_shape"]
+__all__ = ["matrix_shape", "as_matrices", "second_moment_shape", "muon_stats_shape"]
 
 
 def matrix_shape(p: torch.Tensor, view: MatrixView, label: str) -> Tuple[int, int]:
@@ -40,3 +41,13 @@ def second_moment_shape(p: torch.Tensor, view: MatrixView) -> Tuple[int, ...]:
     rows, cols = matrix_shape(p, view, "")
     lead = tuple(p.shape[:-2]) if (p.dim() > 2 and view == "batch") else ()
     return lead + ((rows, 1) if rows >= cols else (1, cols))
+
+
+def muon_stats_shape(p: torch.Tensor, group: dict) -> Tuple[int, ...]:
+    """Shape of a Muon param's NorMuon statistics under its group: `second_moment_shape`,
+    or with `row_blocks` each block's own statistics in one column (muon_ext.row_blocks)."""
+    blocks = group.get("row_blocks")
+    if blocks is None:
+        return second_moment_shape(p, group["matrix_view"])
+    rows, cols = matrix_shape(p, group["matrix_view"], "")
+    return row_blocks.stats_shape(row_blocks.of_group(group, rows), cols)

@@ -48,12 +48,15 @@ class Bucket:
 
 
 class WorkItem(NamedTuple):
-    """One kernel call of a step: a bucket's params that have grads of one dtype."""
+    """One kernel call of a step: a bucket's params that have grads of one dtype.
+    `blocks`: the group's parsed Muon `row_blocks` (muon_ext.row_blocks.RowBlocks),
+    None where each param is one matrix; the runners cut their calls by it."""
 
     bucket: Bucket
     group: dict
     params: List[torch.nn.Parameter]
     grads: List[torch.Tensor]
+    blocks: Optional[Any] = None
 
 
 def is_dtensor(t) -> bool:

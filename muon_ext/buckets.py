@@ -14,8 +14,8 @@ from typing import Dict, Iterable, List, Mapping, NamedTuple, Optional, Tuple
 
 import torch
 
-from . import _C
-from ._shapes import matrix_shape
+from . import _C, row_blocks
+from ._shapes import matrix_shape, muon_stats_shape
 from ._types import Bucket, GradAttr, ParamInfo, WorkItem, is_dtensor
 from .amp import capturing, check_step_lr
 from .schema import check_hyper
@@ -131,7 +131,10 @@ class StepPlanner:
             if bad >= 0:
                 other_info = infos[id(bucket.params[other])] if other >= 0 else None
                 self._raise(problem, infos[id(bucket.params[bad])], key, other_info, spec, tensors, grad_attr)
-            checked.append((bucket, group, grads, state, uniform))
+            blocks = row_blocks.of_group(group, spec.rows) if bucket.kind == "muon" else None
+            if blocks is not None and group["beta2"] is not None and self.state_rules:
+                state["second_momentum_buffer"] = _block_stats(bucket.params, group, infos, tensors, required=False)
+            checked.append((bucket, group, grads, state, uniform, blocks))
         overlap = ranges.first_overlap()
         if overlap is not None:
             (b0, i0), (b1, i1) = overlap
@@ -164,6 +167,8 @@ class StepPlanner:
             rules = _master_rule(info, reading) if info.master != "none" and self.state_rules else ()
             if all_state and self.state_rules:
                 rules = _moment_rules(info.kind, group, required=False) + rules
+                if _blocked_stats(info.kind, group):
+                    _block_stats([p], group, {id(p): info}, tensors, required=False)
             check_released(info, "")
             bad, problem, key, other, _, _, _ = _C.check_bucket(
                 [p], None, tensors, dtype=p.dtype, device=p.device, rules=rules, rows=rows, cols=cols,
@@ -259,7 +264,8 @@ def _moment_rules(kind: str, group: dict, required: bool) -> tuple:
                 ("exp_avg_sq", torch.float32, _PARAM_SHAPE, required),
                 ("step", torch.float32, _SCALAR, required))
     rules = (("momentum_buffer", torch.float32, _PARAM_SHAPE, required),)
-    if group["beta2"] is not None:  # created at first use when NorMuon is switched on later
+    if group["beta2"] is not None and not _blocked_stats(kind, group):  # created at first use when NorMuon is
+        # switched on later; with row_blocks, each block's statistics: checked by _block_stats
         rules += (("second_momentum_buffer", torch.float32, _SECOND_MOMENT, False),)
     return rules
 
@@ -273,9 +279,43 @@ def _step_rules(bucket: Bucket, group: dict, infos: Mapping[int, ParamInfo]) -> 
     return _moment_rules(bucket.kind, group, True) + _master_rule(infos[id(bucket.params[0])], True)
 
 
-def _work_items(bucket: Bucket, group: dict, grads: List, state: Dict, uniform: bool) -> List[PlannedItem]:
+def _blocked_stats(kind: str, group: dict) -> bool:
+    return kind == "muon" and group["beta2"] is not None and group.get("row_blocks") is not None
+
+
+def _block_stats(params: List[torch.Tensor], group: dict, infos: Mapping[int, ParamInfo], tensors: Mapping,
+                 required: bool) -> Optional[List[torch.Tensor]]:
+    """The NorMuon statistics of row-blocked params (a shape _C.check_bucket does not know: one column of
+    every block's own statistics, muon_ext.row_blocks), checked as it checks state; None where one is missing."""
+    out = []
+    for p in params:
+        label = infos[id(p)].name
+        where = f"{label}: optimizer state 'second_momentum_buffer'"
+        entry = tensors.get(p)
+        t = entry.get("second_momentum_buffer") if isinstance(entry, dict) else None
+        if t is None:
+            if required:
+                raise ValueError(f"{where} is missing")
+            out = None
+            continue
+        want = tuple(muon_stats_shape(p, group))
+        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
+            raise TypeError(f"{where} must be a dense tensor, got {type(t).__name__}")
+        if t.dtype != torch.float32 or t.device != p.device or tuple(t.shape) != want or not t.is_contiguous():
+            raise ValueError(f"{where} is {t.dtype} {tuple(t.shape)} on {t.device}; with row_blocks it must be "
+                             f"torch.float32 {want} (every block's statistics), contiguous, on {p.device}")
+        problem = _C.storage_problem(t)
+        if problem:
+            raise ValueError(f"{where}: {problem}")
+        if out is not None:
+            out.append(t)
+    return out
+
+
+def _work_items(bucket: Bucket, group: dict, grads: List, state: Dict, uniform: bool,
+                blocks: Optional[row_blocks.RowBlocks]) -> List[PlannedItem]:
     if uniform:  # the common case: nothing to sort out
-        return [PlannedItem(WorkItem(bucket, group, bucket.params, grads), state)]
+        return [PlannedItem(WorkItem(bucket, group, bucket.params, grads, blocks), state)]
     by_grad_dtype: Dict[torch.dtype, Tuple[List, List, List]] = {}
     for i, (p, grad) in enumerate(zip(bucket.params, grads)):
         if grad is not None:
@@ -283,7 +323,7 @@ def _work_items(bucket: Bucket, group: dict, grads: List, state: Dict, uniform: 
             params.append(p)
             contiguous.append(grad if grad.is_contiguous() else grad.contiguous())
             positions.append(i)
-    return [PlannedItem(WorkItem(bucket, group, params, contiguous),
+    return [PlannedItem(WorkItem(bucket, group, params, contiguous, blocks),
                         {k: None if v is None else [v[i] for i in positions] for k, v in state.items()})
             for params, contiguous, positions in by_grad_dtype.values()]
 

@@ -16,8 +16,9 @@ from typing import Dict, List, NamedTuple
 
 import torch
 
-from ._shapes import second_moment_shape
+from ._shapes import muon_stats_shape
 from ._types import ParamInfo, is_dtensor
+from .loaded_masters import load_master, load_remainder
 from .schema import check_hyper, check_lr_value
 from .state import OptimizerState
 from .writers import is_quantized, storage_held
@@ -30,7 +31,7 @@ _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 def state_dict(groups: List[dict], states: OptimizerState) -> dict:
     """torch's layout (params by index), with every master as a new FP32 tensor."""
-    states.resolve_pending()  # a pending master may still rewrite its param (FP32 params included)
+    states.pending.resolve()  # a pending master may still rewrite its param (FP32 params included)
     index = {}
     packed_groups = []
     for group in groups:
@@ -125,7 +126,7 @@ def apply_state_dict(groups: List[dict], states: OptimizerState, checked: Checke
 
 def _expected_state_shape(p: torch.Tensor, key: str, group: Dict):
     if key == "second_momentum_buffer":
-        return second_moment_shape(p, group["matrix_view"]) if group["kind"] == "muon" else None
+        return muon_stats_shape(p, group) if group["kind"] == "muon" else None
     return tuple(p.shape)
 
 
@@ -207,10 +208,10 @@ def _load_entry(states: OptimizerState, info: ParamInfo, entry: Dict, group: Dic
     elif master is None and info.master == "fp32":
         # No saved master: the param is the master, whether the model weights
         # are loaded before or after this call; read it at the next use.
-        states.defer_master_read(info)
+        states.pending.mark(info, "param")
     elif master is None:
         states.write_master(info, p.detach().float())  # a zero remainder: the param, whenever loaded, is the master
     elif master.dtype == torch.int16:
-        states.load_remainder(info, master.to(p.device).contiguous())
+        load_remainder(states, info, master.to(p.device).contiguous())
     else:
-        states.load_master(info, master.to(device=p.device, dtype=torch.float32).contiguous())
+        load_master(states, info, master.to(device=p.device, dtype=torch.float32).contiguous())

@@ -28,17 +28,18 @@ import contextlib
 import os
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from . import _C
-from ._shapes import matrix_shape, second_moment_shape
+from ._shapes import matrix_shape, muon_stats_shape
 from ._types import ParamInfo, WorkItem, is_dtensor
+from .runners import ResidentRunner
 from .schema import label
 from .writers import is_quantized
 
-__all__ = ["OffloadConfig", "check_offload", "StagedState"]
+__all__ = ["OffloadConfig", "check_offload", "StagedRunner"]
 
 OFFLOAD_MODES = ("none", "cpu")
 RESIDENCIES = ("cpu_resident", "step_active", "staging_released")
@@ -112,7 +113,7 @@ class _Layout:
         if info.kind == "muon":
             regions.append(("momentum_buffer", tuple(p.shape)))
             # Reserved even with beta2=None: NorMuon may be switched on later.
-            regions.append(("second_momentum_buffer", second_moment_shape(p, group["matrix_view"])))
+            regions.append(("second_momentum_buffer", muon_stats_shape(p, group)))
         else:
             regions += [("exp_avg", tuple(p.shape)), ("exp_avg_sq", tuple(p.shape)), ("step", ())]
         self.info = info
@@ -290,15 +291,17 @@ class _Slot:
         self.free = None
 
 
-class StagedState:
-    """The offloaded state of one optimizer: slabs, slots and the staged step.
+class StagedRunner(ResidentRunner):
+    """The runner of an optimizer with offloaded state (muon_ext.runners):
+    slabs, slots and the staged step. `add` installs slab views in the state
+    entries before the optimizer creates the rest of a param's state."""
 
-    `tensors` is the optimizer's state mapping (param -> dict); `add` installs
-    slab views there before the optimizer creates the rest of a param's state."""
+    staged = True
 
-    def __init__(self, config: OffloadConfig, tensors):
+    def __init__(self, config: OffloadConfig, states, max_workspace_bytes: int):
+        super().__init__(states, max_workspace_bytes)
         self.config = config
-        self.tensors = tensors
+        self.tensors = states.tensors
         self.layouts: Dict[int, _Layout] = {}  # by id(param)
         self.device: Optional[torch.device] = None
         self.streams = _CpuStreams()  # CUDA streams once a CUDA param joins
@@ -409,6 +412,13 @@ class StagedState:
                     raise ValueError(f"{info.name}: optimizer state '{key}' must be a float32 tensor of shape {shape} "
                                      f"(offloaded state lives in CPU slabs), got {got}")
 
+    def check_access(self, infos) -> None:
+        """Before state is read or written outside a step: the last step's
+        copies settled (the CPU copy is then the state), and each entry its
+        slab view or an FP32 tensor of its shape (a load may restore missing ones)."""
+        self.drain()
+        self.check_entries(infos, required=False)
+
     def adopt(self, groups: List[dict]) -> None:
         """Makes every state entry its slab view again: an entry replaced (a
         checkpoint load creating one) is copied in; a missing second moment
@@ -486,11 +496,11 @@ class StagedState:
                                "restore_staging() before stepping")
         self.check_entries((layout.info for layout in self.layouts.values()), required=True)
 
-    def run_step(self, work: List, groups: List[dict], run: Callable[[List], None]) -> None:
+    def run(self, work: List, groups: List[dict], scalers) -> None:
         """One staged step over the planned `work` ((item, state) pairs, every
         check passed, `check_step` too): Muon items cut into slot-sized chunks
         first, AdamW items last (their CPU update overlaps the Muon pipeline on
-        CUDA); `run` runs the optimizer's per-item stages on the reordered work."""
+        CUDA), each acquired, run and released as the resident runner runs it."""
         self.adopt(groups)
         if self.slots is None:
             self._alloc_slots()
@@ -504,7 +514,7 @@ class StagedState:
                 adamw.append((item, state))
         self._grads_ready = self._copy_adamw_grads([item for item, _ in adamw])
         try:
-            run(muon + adamw)
+            super().run(muon + adamw, groups, scalers)
         finally:
             self._leave_compute()
 
@@ -513,13 +523,13 @@ class StagedState:
         limit, chunks, start, used = self._slot_numel(), [], 0, 0
         for i, p in enumerate(item.params):
             if i > start and used + p.numel() > limit:
-                chunks.append(WorkItem(item.bucket, item.group, item.params[start:i], item.grads[start:i]))
+                chunks.append(WorkItem(item.bucket, item.group, item.params[start:i], item.grads[start:i], item.blocks))
                 start, used = i, 0
             used += p.numel()
-        chunks.append(WorkItem(item.bucket, item.group, item.params[start:], item.grads[start:]))
+        chunks.append(WorkItem(item.bucket, item.group, item.params[start:], item.grads[start:], item.blocks))
         return chunks
 
-    def acquire(self, item: WorkItem) -> Tuple[WorkItem, Dict[str, List[torch.Tensor]]]:
+    def acquire(self, item: WorkItem, state=None) -> Tuple[WorkItem, Dict[str, List[torch.Tensor]]]:
         """The item to run the kernel on and its state lists: a Muon chunk's
         state copied into the next slot (after that slot's last D2H), with the
         compute stream made current; an AdamW item's CPU state (and, on CUDA,

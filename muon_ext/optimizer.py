@@ -1,29 +1,29 @@
 """MuonAdamW: Muon for hidden matrices, AdamW for everything else, with exact
 FP32 master weights (FP32 params, FP32 master tensors or BF16 + int16 remainders).
 
-A step runs plan -> [acquire] -> kernels -> write -> [release] per work item
-(one kernel call on one bucket of params, see docs/design.md, "Data flow of one
-step"); [acquire] and [release] stage offloaded state (offload.py). DTensor
-params are stepped after the plain work items by distributed/step.py: gather
-(all_to_all to each matrix's owner) -> kernels -> scatter, one exchange per
-group of same-layout matrices.
+A step runs plan (every check, before anything is written; buckets.py) ->
+run (each work item's kernel call and writers, by the runner of the state's
+residency: runners.py, offload.py) -> the DTensor params (distributed/step.py:
+gather to each matrix's owner -> kernels -> scatter) -> writer reports
+(docs/design.md, "Data flow of one step").
 """
 
 from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Callable, Dict, Iterable, List, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 
 from . import adapters as adapter_loader
 from . import checkpoint, ops, schema, writers
-from ._shapes import as_matrices
-from ._types import ParamInfo, WorkItem, is_dtensor
+from ._types import ParamInfo, is_dtensor
 from .amp import GradScalerInputs, capturing, device_lr
 from .buckets import StepPlanner
-from .offload import StagedState, check_offload
+from .offload import StagedRunner, check_offload
+from .param_rules import check_group
+from .runners import ResidentRunner
 from .distributed import agreement
 from .distributed.placements import holds_full, local
 from .distributed.step import DistributedStep, agree_on_checks, dtensor_infos
@@ -75,7 +75,7 @@ class MuonAdamW(torch.optim.Optimizer):
         adapters: bool = True,
     ):
         schema.check_options(master_weights, grad_attr, max_workspace_bytes)
-        config = check_offload(offload, offload_config, capturable)
+        self._offload_config = config = check_offload(offload, offload_config, capturable)
         self.master_weights = master_weights
         # Offloaded params keep FP32 masters: the staged kernels update them off the param's device.
         self.store_param_remainders = bool(store_param_remainders) and config is None
@@ -84,9 +84,10 @@ class MuonAdamW(torch.optim.Optimizer):
         self.max_workspace_bytes = int(max_workspace_bytes)
         self._planner = StepPlanner(master_weights, self.store_param_remainders)
         self._distributed = DistributedStep()
-        self._states: Optional[OptimizerState] = None  # made by the first add_param_group, on torch's self.state
-        self._offload: Optional[StagedState] = None if config is None else StagedState(config, None)
-        self._planner.state_rules = config is None  # offloaded state is on the CPU: checked by StagedState
+        # Made by the first add_param_group, on torch's self.state: the params' table and the runner of their state.
+        self._states: Optional[OptimizerState] = None
+        self._runner: Optional[ResidentRunner] = None
+        self._planner.state_rules = config is None  # offloaded state is on the CPU: checked by StagedRunner
         if isinstance(params, (torch.Tensor, set, frozenset)):
             raise TypeError(f"params must be a list of param groups, not a {type(params).__name__}")
         groups = list(params)
@@ -103,12 +104,12 @@ class MuonAdamW(torch.optim.Optimizer):
         if any(info.writer is not None and not info.writer.default for info in self._states.infos.values()):
             raise TypeError("an optimizer with registered param writers cannot be copied or pickled (a writer is "
                             "bound to its param and storage): unregister them first, or save state_dict()")
-        if self._offload is not None:
-            self._offload.__getstate__()  # raises: staged state is not picklable
+        if self._runner.staged:
+            self._runner.__getstate__()  # raises: staged state is not picklable
         state = super().__getstate__()
         state.update(master_weights=self.master_weights, store_param_remainders=self.store_param_remainders,
                      grad_attr=self.grad_attr, max_workspace_bytes=self.max_workspace_bytes,
-                     capturable=self.capturable, _pending_master_reads=self._states.pending_positions())
+                     capturable=self.capturable, _pending_master_reads=self._states.pending.positions())
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -117,12 +118,13 @@ class MuonAdamW(torch.optim.Optimizer):
         state.setdefault("capturable", False)
         super().__setstate__(state)
         self._planner = StepPlanner(self.master_weights, self.store_param_remainders)
-        self._offload = None  # __getstate__ refuses offloaded optimizers
+        self._offload_config = None  # __getstate__ refuses offloaded optimizers
         self._distributed = DistributedStep()
         self._states = OptimizerState(self.state, self.master_weights, self.store_param_remainders)
+        self._runner = ResidentRunner(self._states, self.max_workspace_bytes)
         for index, group in enumerate(self.param_groups):
             self._states.register(index, group, group.get("param_names"))
-        self._states.restore_pending(pending, self.param_groups)
+        self._states.pending.restore(pending, self.param_groups)
 
     # ------------------------------------------------------------------
     # Groups
@@ -132,15 +134,15 @@ class MuonAdamW(torch.optim.Optimizer):
         """Validate a group, fill its defaults, create its state; re-buckets."""
         if self._states is None:  # torch's __init__ makes self.state, then adds the groups
             self._states = OptimizerState(self.state, self.master_weights, self.store_param_remainders)
-            if self._offload is not None:
-                self._offload.tensors = self.state
+            config = self._offload_config
+            self._runner = ResidentRunner(self._states, self.max_workspace_bytes) if config is None else \
+                StagedRunner(config, self._states, self.max_workspace_bytes)
         index = len(self.param_groups)
 
         def checks():
             group, names = schema.new_group(index, param_group)
-            schema.check_group(index, group, names, self._states.infos)
-            if self._offload is not None:
-                self._offload.check_group(index, group, names)
+            check_group(index, group, names, self._states.infos)
+            self._runner.check_group(index, group, names)
             params = group["params"]
             if self.capturable:
                 devices = {p.device for p in params}
@@ -152,19 +154,13 @@ class MuonAdamW(torch.optim.Optimizer):
 
         given = param_group.get("params") if isinstance(param_group, dict) else None
         given = [given] if isinstance(given, torch.Tensor) else given if isinstance(given, (list, tuple)) else []
-        meshes = agreement.meshes_of(given)
         # DTensor params: every rank must add the same group (docs/design.md, "Every call completes or changes
         # nothing").
-        if meshes:
-            group, names = agreement.agree(f"add_param_group (param group {index})", meshes,
-                                           agreement.device_of(given), checks, lambda checked: [checked[0]], 1,
-                                           first_group=index)
-        else:
-            group, names = checks()
+        group, names = agreement.agree_over_params(f"add_param_group (param group {index})", given, checks,
+                                                   lambda checked: [checked[0]], 1, first_group=index)
         self.param_groups.append(group)
         infos = self._states.register(index, group, names)
-        if self._offload is not None:
-            self._offload.add(infos, group)  # state entries as views into a new CPU slab; init keeps them
+        self._runner.add(infos, group)  # staged: state entries as views into a new CPU slab; init keeps them
         for info in infos:
             self._states.init(info, group)
         self._planner.invalidate()
@@ -191,8 +187,7 @@ class MuonAdamW(torch.optim.Optimizer):
             try:
                 work = self._planner.plan(self.param_groups, self._states.infos, self._states.tensors,
                                           self.grad_attr, hasattr(self, "found_inf"))
-                if self._offload is not None:
-                    self._offload.check_step()
+                self._runner.check_step()
             finally:  # DTensor params: every rank joins the agreement, also one whose planning just failed
                 failed = sys.exc_info()[0] is not None
                 dwork = self._distributed.plan(self._planner, self.param_groups, self._states.infos,
@@ -204,111 +199,16 @@ class MuonAdamW(torch.optim.Optimizer):
             self.__dict__.pop("grad_scale", None)
             self.__dict__.pop("found_inf", None)
             raise
-        self._states.resolve_pending()
+        self._states.pending.resolve()
         scalers = GradScalerInputs(getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
-        if self._offload is None:
-            self._run(work, scalers)
-        else:
-            self._offload.run_step(work, self.param_groups, lambda staged: self._run(staged, scalers))
+        self._runner.run(work, self.param_groups, scalers)
         if dwork:
             self._distributed.run(dwork, self.param_groups, self._states, scalers, self.max_workspace_bytes)
-        self._retry_stale_writers(work)
-        self._states.raise_writer_failures("step")
+        self._runner.retry_stale_writers(work)
+        # Every rank of a mesh where some rank has writers reports every rank's failures (docs/design.md, "Every
+        # call completes or changes nothing").
+        self._states.raise_writer_failures("step", self._distributed.writer_meshes)
         return loss
-
-    def _retry_stale_writers(self, work) -> None:
-        """Writers that failed at their last call and did not run in this step
-        are called again with their current master (found_inf None: whatever
-        this step did, their outputs are stale)."""
-        if not self._states.stale_writers:
-            return
-        ran = {id(p) for item, _ in work for p in item.params if not item.bucket.writes_params}
-        retry = [info for key, info in self._states.stale_writers.items() if key not in ran]
-        if retry and self._offload is not None:
-            self._offload.drain()  # the step's copies of the masters back to their slabs
-        for info in retry:
-            master = self._states.tensors[info.param]["master_param"]
-            self._states.run_writer(info, master.to(info.param.device), None)
-
-    def _run(self, work, scalers: GradScalerInputs) -> None:
-        for item, state in work:
-            kernel_item, state = self._acquire(item, state)
-            inv_scale, found_inf = scalers.on(kernel_item.params[0].device)
-            if item.bucket.kind == "adamw":
-                self._adamw(kernel_item, state, inv_scale, found_inf)
-            else:
-                self._muon(kernel_item, state, inv_scale, found_inf)
-            self._write(item, state.get("master_param"), found_inf)
-            self._release(item)
-
-    def _acquire(self, item: WorkItem, state):
-        """Offload: take a staging slot and bring the item's CPU-held state onto the device.
-        Returns the item the kernel runs on (offloaded AdamW on CUDA: pinned CPU copies) and its state."""
-        if self._offload is None:
-            return item, state
-        return self._offload.acquire(item)
-
-    def _write(self, item: WorkItem, masters: Optional[List[torch.Tensor]] = None, found_inf=None) -> None:
-        """After the kernels: params with writers are stored from `masters`
-        (the FP32 masters the kernels just wrote; staged: the slot's views, on
-        the compute stream, before compute_done), and the written params'
-        autograd versions move on."""
-        if not item.bucket.writes_params:
-            for p, master in zip(item.params, masters):
-                self._states.run_writer(self._states.info(p), master, found_inf)  # a failure is reported at the end
-        torch.autograd.graph.increment_version(item.params)
-
-    def _release(self, item: WorkItem) -> None:
-        """Offload: send the item's staged state back to CPU memory; its slot is free after that copy."""
-        if self._offload is not None:
-            self._offload.release(item)
-
-    @staticmethod
-    def _kernel_params(item: WorkItem, state: Dict[str, Optional[List[torch.Tensor]]]):
-        """(params, masters) as the kernels take them: params with writers are
-        not touched, their FP32 masters are updated as FP32 params would be."""
-        if item.bucket.writes_params:
-            return item.params, state.get("master_param", ())
-        return state["master_param"], ()
-
-    def _adamw(self, item: WorkItem, state: Dict[str, Optional[List[torch.Tensor]]], inv_scale, found_inf) -> None:
-        group = item.group
-        params, masters = self._kernel_params(item, state)
-        beta1, beta2 = group["betas"]
-        lr = group["lr"]
-        if isinstance(lr, torch.Tensor) and params and lr.device != params[0].device:
-            # Offloaded AdamW of CUDA params runs on the CPU (the planner admitted
-            # the lr for the params' device); the host already waits for its grads.
-            lr = lr.to(params[0].device)
-        ops.adamw_step(
-            params, item.grads, state["exp_avg"], state["exp_avg_sq"], state["step"],
-            masters=masters, lr=lr, beta1=beta1,
-            beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], adam_w_mode=group["adam_w_mode"],
-            bias_correction=group["bias_correction"], inv_scale=inv_scale, found_inf=found_inf,
-        )
-
-    def _muon(self, item: WorkItem, state: Dict[str, Optional[List[torch.Tensor]]], inv_scale, found_inf) -> None:
-        group, view = item.group, item.group["matrix_view"]
-        params, masters = self._kernel_params(item, state)
-        second_moments = []
-        if group["beta2"] is not None:
-            second_moments = state["second_momentum_buffer"]
-            if second_moments is None:  # beta2 was switched on after construction
-                for p in item.params:
-                    self._states.init(self._states.info(p), group)
-                second_moments = [self.state[p]["second_momentum_buffer"] for p in item.params]
-        grads, moms = item.grads, state["momentum_buffer"]
-        if view == "flatten":  # the only view that is not the tensors themselves
-            params, grads, moms, masters = ([as_matrices(t, view) for t in ts] for ts in (params, grads, moms, masters))
-        for params, grads, moms, masters in _row_block_calls(group.get("row_blocks"), params, grads, moms, masters):
-            ops.muon_step(
-                params, grads, moms, second_moments, masters=masters, lr=group["lr"],
-                momentum=group["momentum"], nesterov=group["nesterov"], beta2=group["beta2"],
-                weight_decay=group["weight_decay"], ns_steps=group["ns_steps"],
-                ns_coefficients=group["ns_coefficients"], lr_scale=group["lr_scale"],
-                polar_dtype=group["polar_dtype"], polar_method=group["polar_method"], inv_scale=inv_scale,
-                found_inf=found_inf, max_workspace_bytes=self.max_workspace_bytes,
-            )
 
     # ------------------------------------------------------------------
     # Masters
@@ -382,9 +282,7 @@ class MuonAdamW(torch.optim.Optimizer):
         mode for the dtype, state dtypes, shapes and devices), naming the param.
         Offloaded state is drained first: the CPU copy is then the state."""
         infos = list(infos)
-        if self._offload is not None:
-            self._offload.drain()
-            self._offload.check_entries(infos, required=False)  # a load may restore missing entries
+        self._runner.check_access(infos)
         sharded = dtensor_infos(infos)
         self._planner.check_params([i for i in infos if not is_dtensor(i.param)], self.param_groups,
                                    self._states.tensors, all_state=all_state, reading=reading)
@@ -405,24 +303,11 @@ class MuonAdamW(torch.optim.Optimizer):
         (`resize_(0)`) while the optimizer steps, updates or loads the param.
         Everything is validated before anything changes."""
         info = self._states.info(param)
-        writers.check_registration(info, writer, storage)
-        if capturing():
-            raise RuntimeError("register_param_writer: not allowed during CUDA graph capture")
-        if self._offload is not None and (info.master != "fp32" or (info.kind == "adamw" and param.is_cuda)):
-            raise ValueError(f"register_param_writer: {info.name}: with offload='cpu', writers are supported for "
-                             "params with a separate FP32 master, stepped on their device (Muon params, or params "
-                             "on the CPU)")
-        released = not writers.storage_held(param)
-        if released and info.master != "fp32":
-            kept = "int16 remainders complete" if info.master == "remainder" else "the param is"
-            raise ValueError(f"register_param_writer: {info.name}: its storage is released, and its master ({kept} "
-                             "its values) cannot be read; register the writer before releasing the storage")
+        released = writers.check_registration(info, writer, storage, staged=self._runner.staged)
         if not released:
             self._check_params([info], all_state=False, reading=True)
-            self._states.resolve_pending()
-        if self._states.is_pending(info):
-            raise ValueError(f"register_param_writer: {info.name}: its master, loaded from a checkpoint, waits for "
-                             "the param's values, and its storage is released; restore the storage first")
+            self._states.pending.resolve()
+        writers.check_master_settled(info, info in self._states.pending)
         self._states.set_writer(info, writers.WriterEntry(writer, storage))
         self._planner.invalidate()
 
@@ -432,18 +317,8 @@ class MuonAdamW(torch.optim.Optimizer):
         re-derived exactly) and the param written from its master. The param's
         storage must be held again."""
         info = self._states.info(param)
-        if info.writer is None:
-            raise ValueError(f"unregister_param_writer: {info.name} has no registered writer")
-        if info.writer.default:
-            raise ValueError(f"unregister_param_writer: {info.name} is a quantized param: it is always written "
-                             "through its quantize_")
-        if capturing():
-            raise RuntimeError("unregister_param_writer: not allowed during CUDA graph capture")
-        if not writers.storage_held(param):
-            raise ValueError(f"unregister_param_writer: {info.name}: its storage is released, and without a writer "
-                             "the optimizer writes the param itself; restore the storage first")
-        if self._offload is not None:
-            self._offload.drain()  # the last step's copy of the master back to its slab may be in flight
+        writers.check_unregistration(info)
+        self._runner.drain()  # staged: the last step's copy of the master back to its slab may be in flight
         # The param is then written from its master in its dtype's mode: check it as a step would (contiguity,
         # dtype, storage) before anything changes; its new master entry does not exist yet.
         plain = dataclasses.replace(info, writer=None,
@@ -455,7 +330,7 @@ class MuonAdamW(torch.optim.Optimizer):
             self._planner.invalidate()
 
     # ------------------------------------------------------------------
-    # Offload (offload="cpu"; see muon_ext.offload)
+    # Staged state (offload="cpu"; see muon_ext.offload)
     # ------------------------------------------------------------------
 
     @property
@@ -463,29 +338,27 @@ class MuonAdamW(torch.optim.Optimizer):
         """Where the state is: "cpu_resident" (CPU copies authoritative, slots
         held or not yet made), "step_active" (a step's copies may be in
         flight; drain() settles them), "staging_released" (slots handed back)."""
-        return "cpu_resident" if self._offload is None else self._offload.residency
+        return self._runner.residency
 
     def drain(self) -> None:
         """Waits for every outstanding state copy of the last step; the CPU
         state is then authoritative. Idempotent; a no-op without offload."""
-        if self._offload is not None:
-            self._offload.drain()
+        self._runner.drain()
 
     def release_staging(self) -> None:
         """Drains and returns the staging slots' device memory to the allocator
         (e.g. to lend the GPU to an inference engine); step() then refuses
         until restore_staging()."""
-        self._require_offload("release_staging")
-        self._offload.release_staging()
+        self._staged("release_staging").release_staging()
 
     def restore_staging(self) -> None:
         """Takes the staging slots back after release_staging()."""
-        self._require_offload("restore_staging")
-        self._offload.restore_staging()
+        self._staged("restore_staging").restore_staging()
 
-    def _require_offload(self, name: str) -> None:
-        if self._offload is None:
+    def _staged(self, name: str) -> StagedRunner:
+        if not self._runner.staged:
             raise RuntimeError(f"{name}(): this optimizer has no staged state (construct it with offload='cpu')")
+        return self._runner
 
     # ------------------------------------------------------------------
     # Checkpoints
@@ -527,32 +400,14 @@ class MuonAdamW(torch.optim.Optimizer):
             return checkpoint.check_state_dict(self.param_groups, self._states, state_dict)
 
         params = [info.param for info in self._states.infos.values()]
-        meshes = agreement.meshes_of(params)
-        if meshes:  # every rank loads, or none (and with the same settings)
-            checked = agreement.agree("load_state_dict", meshes, agreement.device_of(params), checks,
-                                      lambda checked: checked.merged_groups, len(self.param_groups))
-        else:
-            checked = checks()
+        # DTensor params: every rank loads, or none (and with the same settings).
+        checked = agreement.agree_over_params("load_state_dict", params, checks,
+                                              lambda checked: checked.merged_groups, len(self.param_groups))
         checkpoint.apply_state_dict(self.param_groups, self._states, checked, capturable=self.capturable)
-        if self._offload is not None:
-            self._offload.adopt(self.param_groups)  # entries the load created go into the slabs
+        self._runner.adopt(self.param_groups)  # staged: entries the load created go into the slabs
         self._planner.invalidate()
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
-        self._states.raise_writer_failures("load_state_dict")
+        device = agreement.device_of(params)
+        self._states.raise_writer_failures("load_state_dict", [(mesh, device) for mesh in agreement.meshes_of(params)])
 
-
-def _row_block_calls(blocks, *lists):
-    """The muon_step calls of one work item: its lists as they are, or with `row_blocks`
-    each matrix cut into contiguous row-block views (disjoint, so each block is a matrix
-    of its own: orthogonalized alone, lr-scaled by its own shape), one call per block size."""
-    if not blocks:
-        return [lists]
-    by_size: Dict[int, list] = {}
-    start = 0
-    for size in blocks:
-        calls = by_size.setdefault(size, [[] for _ in lists])
-        for out, ts in zip(calls, lists):
-            out.extend(t[start:start + size] for t in ts)
-        start += size
-    return list(by_size.values())

@@ -10,19 +10,16 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import Container, Dict, List, NamedTuple, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
-from . import _C, ops
-from ._shapes import matrix_shape
-from ._types import Kind, is_dtensor
-from .writers import is_quantized
-from .distributed.placements import check_param as check_dtensor_param
+from . import _C, ops, row_blocks
+from ._types import Kind
 
 __all__ = [
     "MUON_DEFAULTS", "ADAMW_DEFAULTS", "DEFAULTS", "SUPPORTED_DTYPES", "Range", "RANGES", "MODES",
-    "label", "check_hyper", "check_lr", "check_lr_value", "check_options", "new_group", "check_group",
+    "label", "check_hyper", "check_lr", "check_lr_value", "check_options", "new_group",
 ]
 
 MUON_DEFAULTS = {
@@ -187,26 +184,30 @@ def check_hyper(index: int, group: dict) -> None:
     if ns_steps > len(coefficients):
         raise ValueError(f"{where}ns_steps={ns_steps} but only {len(coefficients)} coefficient tuples")
     _check_row_blocks(where, group)
+    if group.get("split_polar", "exchange") not in SPLIT_POLAR:
+        raise ValueError(f"{where}split_polar must be one of {SPLIT_POLAR}, got {group['split_polar']!r}")
+
+
+# How a DTensor Muon matrix split over one mesh dim is orthogonalized (optional key, absent = "exchange"):
+# gathered whole at an owner rank, or in place by Gram all_reduces (distributed/tp_polar.py; FP32 GEMMs).
+SPLIT_POLAR = ("exchange", "gram")
 
 
 def _check_row_blocks(where: str, group: dict) -> None:
-    """row_blocks (optional Muon key, absent = None): None, or positive row counts summing to every param's rows (its matrix under matrix_view;
-    plain params, one matrix each); each block is orthogonalized as a matrix of its own, with its own lr scale."""
-    blocks = group.get("row_blocks")
+    """row_blocks (optional Muon key, absent = None): None, contiguous sizes or index blocks of every param's
+    matrix rows (muon_ext.row_blocks; under matrix_view, global rows for a DTensor); each block is
+    orthogonalized as a matrix of its own, with its own lr scale."""
+    blocks, scales = group.get("row_blocks"), group.get("row_block_scales")
+    row_blocks.check(blocks, None, where, scales)  # the form alone, also for a group without params
     if blocks is None:
         return
-    if not isinstance(blocks, (tuple, list)) or not blocks or not all(
-            isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in blocks):
-        raise ValueError(f"{where}row_blocks must be None or a non-empty tuple of positive ints, got {blocks!r}")
-    if group["beta2"] is not None:  # per-block statistics would need a state shape per block
-        raise ValueError(f"{where}row_blocks with NorMuon (beta2={group['beta2']}) is not supported: set beta2=None")
     for i, p in enumerate(group.get("params", ())):
-        if is_dtensor(p) or (p.dim() > 2 and group["matrix_view"] == "batch"):
-            raise ValueError(f"{where}row_blocks: param {i} is a DTensor or a batch of matrices; row_blocks "
-                             "takes plain params that are one matrix each")
-        if p.dim() >= 2 and p.shape[0] != sum(blocks):
-            raise ValueError(f"{where}row_blocks {tuple(blocks)} sum to {sum(blocks)} rows, param {i} has "
-                             f"{p.shape[0]}")
+        if not isinstance(p, torch.Tensor) or p.dim() < 2:
+            continue  # refused elsewhere, by name
+        if p.dim() > 2 and group["matrix_view"] == "batch":
+            raise ValueError(f"{where}row_blocks: param {i} is a batch of matrices (matrix_view='batch'); row_blocks "
+                             "takes params that are one matrix each")
+        row_blocks.check(blocks, p.shape[0], where, scales)
 
 
 def check_options(master_weights, grad_attr, max_workspace_bytes) -> None:
@@ -220,7 +221,7 @@ def check_options(master_weights, grad_attr, max_workspace_bytes) -> None:
 def new_group(index: int, param_group: dict) -> Tuple[dict, List[Optional[str]]]:
     """A copy of `param_group` with its params as a list and its kind's defaults
     filled in, and the params' names (None where unnamed). Checks the shape of
-    the group only; `check_group` checks its settings and params."""
+    the group only; `param_rules.check_group` checks its settings and params."""
     group = dict(param_group)
     kind = group.get("kind")
     if kind not in DEFAULTS:
@@ -239,41 +240,3 @@ def new_group(index: int, param_group: dict) -> Tuple[dict, List[Optional[str]]]
         group.setdefault(key, value)
     group["params"] = params
     return group, names
-
-
-def check_group(index: int, group: dict, names: List[Optional[str]], owned: Container[int]) -> None:
-    """A new group's settings and params; `owned` holds the ids of params already in the optimizer."""
-    kind = group["kind"]
-    check_hyper(index, group)
-    seen = set()
-    for i, p in enumerate(group["params"]):
-        where = label(index, kind, i, names[i])
-        if not isinstance(p, torch.Tensor):
-            raise TypeError(f"{where}: expected a tensor, got {type(p).__name__}")
-        if id(p) in owned or id(p) in seen:
-            raise ValueError(f"{where} appears in more than one param group (or twice in one)")
-        seen.add(id(p))
-        _check_param_type(p, where, kind, group.get("matrix_view", ""))
-        if not p.is_leaf:
-            raise ValueError(f"{where}: can't optimize a non-leaf tensor")
-        if not p.is_contiguous():
-            raise ValueError(f"{where}: params must be contiguous")
-        if kind == "muon":
-            matrix_shape(p, group["matrix_view"], where)
-
-
-def _check_param_type(p: torch.Tensor, where: str, kind: str, matrix_view: str) -> None:
-    if is_dtensor(p):
-        check_dtensor_param(p, where, kind, matrix_view)
-    if not p.dtype.is_floating_point:
-        raise TypeError(f"{where} has non-floating dtype {p.dtype}")
-    if p.dtype not in SUPPORTED_DTYPES:
-        reason = "unsupported dtype"
-        if p.element_size() == 1:
-            reason = ("plain FP8 params are not supported (use a quantized tensor subclass with dequantize() and "
-                      "quantize_(src), or a BF16 param with a param writer)")
-        raise TypeError(f"{where} has dtype {p.dtype}: {reason}; supported: float32, bfloat16, float16")
-    base = p.data if isinstance(p, torch.nn.Parameter) else p
-    if type(base) is not torch.Tensor and not is_quantized(base) and not is_dtensor(base):
-        raise TypeError(f"{where} is a {type(base).__name__}: tensor subclasses are supported only as quantized "
-                        "params (with dequantize() and quantize_(src) methods)")

@@ -30,28 +30,37 @@ import contextlib
 import functools
 import inspect
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, List, Optional
 
 import torch
 
 from . import ops
 from ._types import ParamInfo, is_dtensor
+from .amp import capturing
 
 __all__ = ["WriterEntry", "ParamWriterError", "is_quantized", "quantized_writer", "check_registration",
-           "check_released", "storage_held", "run_writer"]
+           "check_master_settled", "check_unregistration", "check_released", "storage_held", "run_writer"]
 
 
 class ParamWriterError(RuntimeError):
     """Raised at the end of a call (step, update_param, load_state_dict) in
     which param writers failed. The call itself completed: masters, state and
     step counts hold its result. `failures`: (param name, exception) pairs;
-    their writers are retried at the end of the next step."""
+    their writers are retried at the end of the next step. In a call with
+    DTensor params every rank of their meshes raises it (`ranks`: the global
+    ranks whose writers failed, else None); names are then "rank r: name", and
+    another rank's exception is a RemoteWriterFailure carrying its text."""
 
-    def __init__(self, what: str, failures):
+    def __init__(self, what: str, failures, ranks: Optional[List[int]] = None):
         self.failures = list(failures)
-        lines = "; ".join(f"{name}: {type(exc).__name__}: {exc}" for name, exc in self.failures)
-        super().__init__(f"{what}: completed (masters and state updated), but the param writer of "
-                         f"{len(self.failures)} param(s) failed, whose outputs are stale until their writer "
+        self.ranks = None if ranks is None else sorted(ranks)
+        where = "" if ranks is None else f" on rank(s) {self.ranks}"
+        done = "completed" if ranks is None else "completed on every rank"
+        # Another rank's exception (distributed.agreement.RemoteWriterFailure) names its own type.
+        lines = "; ".join(f"{name}: {getattr(exc, 'type_name', type(exc).__name__)}: {exc}"
+                          for name, exc in self.failures)
+        super().__init__(f"{what}: {done} (masters and state updated), but the param writer of "
+                         f"{len(self.failures)} param(s) failed{where}, whose outputs are stale until their writer "
                          f"succeeds (retried at the end of the next step): {lines}")
 
 
@@ -118,11 +127,15 @@ def storage_held(p: torch.Tensor) -> bool:
     return not ops.storage_problem(p)
 
 
-def check_registration(info: ParamInfo, writer, storage) -> None:
+def check_registration(info: ParamInfo, writer, storage, *, staged: bool) -> bool:
     """Raises unless `writer` may be registered for the param: callable, none
-    registered yet, `storage` None or the param's own storage object, and a
-    param kind writers support. Reads and writes nothing."""
+    registered yet, `storage` None or the param's own storage object, a param
+    kind writers support (`staged`: the optimizer's state is offloaded), and a
+    master that can still be read. Reads and writes nothing; returns whether
+    the param's storage is released."""
     name = f"register_param_writer: {info.name}"
+    if capturing():
+        raise RuntimeError("register_param_writer: not allowed during CUDA graph capture")
     if not callable(writer):
         raise TypeError(f"{name}: writer must be callable as writer(param, master, stream, found_inf), got "
                         f"{type(writer).__name__}")
@@ -144,6 +157,37 @@ def check_registration(info: ParamInfo, writer, storage) -> None:
             check_param(info.param)
         except Exception as exc:
             raise ValueError(f"{name}: the writer does not accept this param: {exc}") from exc
+    if staged and (info.master != "fp32" or (info.kind == "adamw" and info.param.is_cuda)):
+        raise ValueError(f"{name}: with offload='cpu', writers are supported for params with a separate FP32 "
+                         "master, stepped on their device (Muon params, or params on the CPU)")
+    released = not storage_held(info.param)
+    if released and info.master != "fp32":
+        kept = "int16 remainders complete" if info.master == "remainder" else "the param is"
+        raise ValueError(f"{name}: its storage is released, and its master ({kept} its values) cannot be read; "
+                         "register the writer before releasing the storage")
+    return released
+
+
+def check_master_settled(info: ParamInfo, pending: bool) -> None:
+    """A released param whose master, loaded from a checkpoint, waits for the param's values cannot get a writer."""
+    if pending:
+        raise ValueError(f"register_param_writer: {info.name}: its master, loaded from a checkpoint, waits for the "
+                         "param's values, and its storage is released; restore the storage first")
+
+
+def check_unregistration(info: ParamInfo) -> None:
+    """Raises unless the param's writer may be removed: a writer the user
+    registered, and the param's storage held (the optimizer then writes it)."""
+    name = f"unregister_param_writer: {info.name}"
+    if info.writer is None:
+        raise ValueError(f"{name} has no registered writer")
+    if info.writer.default:
+        raise ValueError(f"{name} is a quantized param: it is always written through its quantize_")
+    if capturing():
+        raise RuntimeError("unregister_param_writer: not allowed during CUDA graph capture")
+    if not storage_held(info.param):
+        raise ValueError(f"{name}: its storage is released, and without a writer the optimizer writes the param "
+                         "itself; restore the storage first")
 
 
 def check_released(info: ParamInfo, where: str) -> None:

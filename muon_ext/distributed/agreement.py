@@ -9,12 +9,16 @@ meshes of the DTensor params: [global rank, refused, one 62-bit digest per
 setting]; every rank compares them, so a refusal or a difference raises on
 every rank (naming the setting and the ranks) before anything is written.
 A step carries a cheaper form in its existing all_reduce (`step_digest`).
+
+A param writer failing on one rank is reported on every rank
+(`share_failures`): one all_gather of [rank, failures] per mesh, and the
+failures' text only where some rank had one.
 """
 
 from __future__ import annotations
 
 import hashlib
-from typing import Callable, List, Optional, Sequence, Tuple, TypeVar
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -22,10 +26,13 @@ import torch.distributed as dist
 from ..schema import DEFAULTS
 from .placements import local
 
-__all__ = ["SETTINGS", "group_digests", "agree", "step_digest", "meshes_of", "device_of"]
+__all__ = ["SETTINGS", "group_digests", "agree", "agree_over_params", "step_digest", "meshes_of", "device_of",
+           "share_failures", "RemoteWriterFailure"]
 
 # Every setting of either kind, plus the group's kind and its params' layout.
-SETTINGS: Tuple[str, ...] = ("kind", "params") + tuple(sorted(set(DEFAULTS["muon"]) | set(DEFAULTS["adamw"])))
+# With the optional Muon keys that shape a step's exchanges (row blocks cut the owners' matrices).
+SETTINGS: Tuple[str, ...] = ("kind", "params") + tuple(sorted(set(DEFAULTS["muon"]) | set(DEFAULTS["adamw"]))) + (
+    "row_blocks", "row_block_scales", "split_polar")
 
 # Not in the step's digest: the params' layout cannot change after construction (the planner refuses
 # edited groups) and costs O(params) to hash; a tensor lr would need a host read (and lr never shapes a collective).
@@ -147,3 +154,57 @@ def device_of(params) -> torch.device:
         if hasattr(p, "placements"):
             return local(p).device
     return torch.device("cpu")
+
+
+def agree_over_params(what: str, params, checks: Callable[[], T], groups_of: Callable[[T], Sequence[dict]],
+                      group_count: int, first_group: int = 0) -> T:
+    """`agree` over the meshes of the DTensor params among `params`; where
+    there are none, no rank waits for another: just `checks()`."""
+    meshes = meshes_of(params)
+    if not meshes:
+        return checks()
+    return agree(what, meshes, device_of(params), checks, groups_of, group_count, first_group)
+
+
+# The longest text of one rank's writer failures that other ranks are told (UTF-8 bytes; cut beyond).
+_REPORT_BYTES = 4096
+_FIELD, _RECORD = "\x1f", "\x1e"
+
+
+class RemoteWriterFailure(RuntimeError):
+    """What a param writer raised on another rank: its text, and the name of its type (`type_name`)."""
+
+    def __init__(self, type_name: str, message: str):
+        super().__init__(message)
+        self.type_name = type_name
+
+
+def share_failures(meshes: Sequence[Tuple[object, torch.device]], failures: Sequence[Tuple[str, BaseException]]
+                   ) -> Tuple[List[int], List[Tuple[str, BaseException]]]:
+    """A collective over every (mesh, device) of `meshes` (in the same order on
+    every rank): each rank learns which ranks' param writers failed in the
+    call, and what they raised. Returns (failing global ranks, failures named
+    "rank r: name"; another rank's exception is a RemoteWriterFailure), both empty where no rank of the meshes had a failure.
+    Costs one all_gather of two int64 per rank per mesh; the text travels only
+    where some rank failed."""
+    me = dist.get_rank()
+    reported: Dict[int, List[Tuple[str, BaseException]]] = {}
+    for mesh, device in meshes:
+        counts = _gather_over_mesh(mesh, torch.tensor([me, len(failures)], dtype=torch.int64, device=device)).cpu()
+        if not bool(counts[:, 1].any()):
+            continue
+        text = _RECORD.join(f"{name}{_FIELD}{type(exc).__name__}{_FIELD}{exc}" for name, exc in failures).encode()[
+            :_REPORT_BYTES]
+        row = torch.zeros(2 + _REPORT_BYTES, dtype=torch.int64)
+        row[0], row[1] = me, len(text)
+        row[2:2 + len(text)] = torch.tensor(list(text), dtype=torch.int64)
+        for other in _gather_over_mesh(mesh, row.to(device)).cpu().tolist():
+            rank, size = other[0], other[1]
+            if rank == me:
+                reported[rank] = [(f"rank {rank}: {name}", exc) for name, exc in failures]
+            elif size and rank not in reported:
+                records = bytes(other[2:2 + size]).decode(errors="replace").split(_RECORD)
+                fields = [r.split(_FIELD, 2) + ["", ""] for r in records]  # a cut record may lack fields
+                reported[rank] = [(f"rank {rank}: {f[0]}", RemoteWriterFailure(f[1], f[2])) for f in fields]
+    ranks = sorted(r for r, entries in reported.items() if entries)
+    return ranks, [entry for r in ranks for entry in reported[r]]

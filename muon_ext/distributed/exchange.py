@@ -41,7 +41,8 @@ def exchange_sharded(shards: ShardGroup, rows: int, cols: int, updates: List[tor
     """`updates`: this rank's FP32 block [r, c] of each matrix (rows
     `shards.rows[me]`, columns `shards.cols[me]`); `stats`: their NorMuon
     second moments (empty without NorMuon), this rank's rows [r, 1] if
-    `stats_sharded`, else the whole replicated [1, cols]. Both are overwritten
+    `stats_sharded`, else the whole replicated statistics ([1, cols], or a
+    row-blocked param's column of every block's). Both are overwritten
     with the orthogonalized block and the updated statistics."""
     world, me = shards.ranks.size, shards.ranks.rank
     counts = shards.counts
@@ -63,7 +64,7 @@ def exchange_sharded(shards: ShardGroup, rows: int, cols: int, updates: List[tor
     whole = updates[0].new_empty((len(mine), rows, cols))
     whole_stats = []
     if normuon:
-        shape = (len(mine), rows, 1) if stats_sharded else (len(mine), 1, cols)
+        shape = (len(mine), rows, 1) if stats_sharded else (len(mine),) + tuple(stats[0].shape)
         whole_stat = updates[0].new_empty(shape)
         whole_stats = list(whole_stat)
         if not stats_sharded:
@@ -85,7 +86,7 @@ def exchange_sharded(shards: ShardGroup, rows: int, cols: int, updates: List[tor
     back = _cat([piece for s in range(world) for k in range(len(mine))
                  for piece in _owner_pieces(whole[k], whole_stats[k] if normuon else None, shards.rows[s],
                                             shards.cols[s], stats_sharded)], updates)
-    stat_of = lambda s: (counts[s][0] if stats_sharded else cols) if normuon else 0  # noqa: E731 - rank s's
+    stat_of = lambda s: (counts[s][0] if stats_sharded else stats[0].numel()) if normuon else 0  # noqa: E731 - rank s's
     back_splits = [len(mine) * (counts[s][0] * counts[s][1] + stat_of(s)) for s in range(world)]
     back_stat = stat_of(me)
     block = counts[me][0] * counts[me][1]

@@ -23,11 +23,12 @@ from .placements import is_split, layout_of, local
 __all__ = ["zeros", "wrap", "check_values", "stats_follow_rows"]
 
 
-def stats_follow_rows(p, matrix_view: str) -> bool:
-    """Whether the NorMuon statistics of Muon param `p` are one per row ((rows, 1), placed like the param)
-    rather than one per column ((1, cols), replicated)."""
-    rows, cols = matrix_shape(p, matrix_view, "")
-    return rows >= cols
+def stats_follow_rows(p, group: dict) -> bool:
+    """Whether the NorMuon statistics of Muon param `p` in `group` are one per row ((rows, 1), placed like the
+    param) rather than one per column ((1, cols)) or, with row_blocks, per block (muon_ext.row_blocks): those
+    are replicated."""
+    rows, cols = matrix_shape(p, group["matrix_view"], "")
+    return rows >= cols and group.get("row_blocks") is None
 
 
 def zeros(p, shape, dtype: torch.dtype, like_param: bool = True, rows_only: bool = False):

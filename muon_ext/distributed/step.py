@@ -22,16 +22,17 @@ from typing import Callable, Dict, List, Mapping, NamedTuple, Tuple
 import torch
 import torch.distributed as dist
 
-from .. import _C, ops
-from .._shapes import as_matrices, matrix_shape, second_moment_shape
+from .. import _C, ops, row_blocks
+from .._shapes import as_matrices, matrix_shape, muon_stats_shape
 from ..amp import capturing
 from .._types import ParamInfo, is_dtensor
 from ..schema import SUPPORTED_DTYPES
 from .agreement import step_digest
 from .exchange import exchange_replicated, exchange_sharded
-from .placements import Layout, expected_local_shape, is_split, layout_of, local
+from .placements import Layout, dim_indices, expected_local_shape, is_split, layout_of, local
 from .shard_group import ShardGroup, shard_group
 from .state import stats_follow_rows
+from .tp_polar import normuon_sharded, polar_express_sharded
 
 __all__ = ["DistributedStep", "dtensor_infos", "agree_on_checks"]
 
@@ -59,6 +60,9 @@ class DistributedStep:
         self._shard_groups: Dict[Tuple, ShardGroup] = {}  # (layout, param shape) -> its shard group
         self._dinfos: List[ParamInfo] = []
         self._seen = 0  # how many infos _dinfos was taken from (the table only grows: add_param_group)
+        # (mesh, device) of the meshes where some rank has a param writer at this step: the step's writer
+        # failures are shared over them at its end (agreement.share_failures).
+        self.writer_meshes: List[Tuple[object, torch.device]] = []
 
     # -- checks -----------------------------------------------------------
 
@@ -92,8 +96,8 @@ class DistributedStep:
             planner.check_params([dataclasses.replace(info, param=lp)], local_groups, {lp: local_state},
                                  all_state=all_state, reading=reading, ranges=ranges, tag=position)
             if stat is not None and groups[info.group]["beta2"] is not None:
-                view = groups[info.group]["matrix_view"]
-                want = (lp.shape[0], 1) if stats_follow_rows(p, view) else tuple(second_moment_shape(p, view))
+                want = (lp.shape[0], 1) if stats_follow_rows(p, groups[info.group]) else tuple(
+                    muon_stats_shape(p, groups[info.group]))
                 if stat.dtype != torch.float32 or tuple(stat.shape) != want or stat.device != lp.device \
                         or not stat.is_contiguous():
                     raise ValueError(f"{info.name}: optimizer state 'second_momentum_buffer' has local shape "
@@ -156,6 +160,7 @@ class DistributedStep:
         if self._seen != len(infos):  # a param's type never changes: look again only at new groups
             self._dinfos, self._seen = dtensor_infos(infos.values()), len(infos)
         dinfos = self._dinfos
+        self.writer_meshes = []
         if not dinfos:
             return []
         if capturing():  # every rank captures, so every rank refuses, before any collective
@@ -178,7 +183,8 @@ class DistributedStep:
             except Exception as exc:  # raised after the agreement, so every rank refuses the step
                 error = exc
         refused = failed or error is not None
-        self._agree(dinfos, grads, refused, grad_attr, groups, scaler)
+        writers = any(info.writer is not None for info in infos.values())  # writers are on plain params only
+        self._agree(dinfos, grads, refused, grad_attr, groups, scaler, writers)
         if error is not None:
             raise error
         if failed:
@@ -186,11 +192,12 @@ class DistributedStep:
         return _work(dinfos, self._local_grads(dinfos, grads), groups)
 
     def _agree(self, infos: List[ParamInfo], grads: Dict, refused: bool, grad_attr: str, groups: List[dict],
-               scaler: bool) -> None:
+               scaler: bool, writers: bool) -> None:
         """One all_reduce per mesh of [refused, GradScaler present, a digest of
-        the groups' settings and its square, then per param: grad present, a
-        code of its grad's placements and its square]: every rank sees the same
-        sums, so every rank takes the same decision."""
+        the groups' settings and its square, param writers present, then per
+        param: grad present, a code of its grad's placements and its square]:
+        every rank sees the same sums, so every rank takes the same decision
+        (also whether the step's writer failures are shared at its end)."""
         by_mesh: Dict[object, List[ParamInfo]] = {}
         for info in infos:
             by_mesh.setdefault(info.param.device_mesh, []).append(info)
@@ -203,7 +210,7 @@ class DistributedStep:
             present = [grads.get(id(i.param)) is not None for i in members]
             codes = [_placements_code(grads[id(i.param)].placements) if here else 0
                      for i, here in zip(members, present)]
-            bits = torch.tensor([int(refused), int(scaler), digest, digest * digest]
+            bits = torch.tensor([int(refused), int(scaler), digest, digest * digest, int(writers)]
                                 + [int(here) for here in present] + codes + [c * c for c in codes],
                                 dtype=torch.int64, device=device)
             _all_reduce_over(mesh, bits)
@@ -220,7 +227,9 @@ class DistributedStep:
                 raise ValueError("MuonAdamW.step: the group settings of the DTensor params differ across ranks "
                                  "(edited on some ranks only?); their exchanges would not match; nothing was "
                                  "written on any rank")
-            n, base = len(members), 4
+            if sums[4]:
+                self.writer_meshes.append((mesh, device))
+            n, base = len(members), 5
             for k, info in enumerate(members):
                 count, total, squares = sums[base + k], sums[base + n + k], sums[base + 2 * n + k]
                 if 0 < count < mesh.size():
@@ -295,8 +304,10 @@ class DistributedStep:
             return t.reshape(t.shape[0], math.prod(t.shape[1:])) if split else as_matrices(t, view)
 
         moms = [mat(local(tensors[e.info.param]["momentum_buffer"])) for e in entries]
+        blocks = row_blocks.of_group(group, rows)  # each block a matrix of its own (docs/design.md,
+        # "Row blocks"): cut at the owners' orthogonalization and at phase 3, on the rows each rank holds
         if not split and not replicas:  # every matrix is whole here, no one to share with: the fused step, same bits
-            self._muon_fused(group, entries, moms, mat, tensors, inv_scale, found_inf, max_workspace_bytes)
+            self._muon_fused(group, entries, moms, mat, tensors, inv_scale, found_inf, max_workspace_bytes, blocks)
             return
         updates = [m.new_empty(m.shape) for m in moms]
         for batch in _batches(list(range(len(entries))), lambda i: entries[i].grad.dtype):
@@ -307,17 +318,22 @@ class DistributedStep:
         if group["beta2"] is not None:
             stats = [local(tensors[e.info.param]["second_momentum_buffer"]) for e in entries]
 
-        def orthogonalize(whole: List[torch.Tensor], whole_stats: List[torch.Tensor]) -> None:
+        def orthogonalize_matrices(whole: List[torch.Tensor], whole_stats: List[torch.Tensor]) -> None:
             ops.muon_orthogonalize(whole, whole_stats, beta2=group["beta2"], ns_steps=group["ns_steps"],
                                    ns_coefficients=group["ns_coefficients"], max_workspace_bytes=max_workspace_bytes,
                                    polar_dtype=group["polar_dtype"], polar_method=group["polar_method"],
                                    found_inf=found_inf)
-            self.polar_flops += len(whole) * _polar_flops(rows, cols, group["ns_steps"])
+            self.polar_flops += len(whole) * _polar_flops(*whole[0].shape[-2:], group["ns_steps"])
 
-        if not split:  # replicated: the first replicate dim splits the work (any others repeat it)
+        def orthogonalize(whole: List[torch.Tensor], whole_stats: List[torch.Tensor]) -> None:
+            row_blocks.orthogonalize_blocks(blocks, whole, whole_stats, orthogonalize_matrices)
+
+        if len(split) == 1 and not replicas and group.get("split_polar", "exchange") == "gram":
+            self.bytes_sent += self._gram(group, rows, cols, entries, updates, stats, layout, blocks, found_inf)
+        elif not split:  # replicated: the first replicate dim splits the work (any others repeat it)
             self.bytes_sent += exchange_replicated(layout.ranks(replicas[0]), updates, stats, orthogonalize, first)
         else:
-            stats_sharded = bool(stats) and stats_follow_rows(entries[0].info.param, view)
+            stats_sharded = bool(stats) and stats_follow_rows(entries[0].info.param, group)
             shards = self._shard_group(layout, tuple(entries[0].info.param.shape))
 
             def in_shard_group(ups: List[torch.Tensor], sts: List[torch.Tensor]) -> int:
@@ -327,27 +343,67 @@ class DistributedStep:
                 self.bytes_sent += exchange_replicated(layout.ranks(replicas[0]), updates, stats, in_shard_group, first)
             else:
                 self.bytes_sent += in_shard_group(updates, stats)
+        runs = [(rows, 1.0, None)]  # (matrix rows for the lr scale, block scale, local rows; None: all)
+        if blocks is not None:
+            mesh = entries[0].info.param.device_mesh
+            held = dim_indices(rows, 0, tuple(mesh.mesh.shape), entries[0].info.param.placements,
+                               mesh.get_coordinate())
+            runs = row_blocks.local_runs(blocks, held)
         for batch in _batches(list(range(len(entries))), lambda i: (entries[i].param.dtype, entries[i].info.master)):
             masters = [mat(local(tensors[entries[i].info.param]["master_param"])) for i in batch
                        if "master_param" in tensors[entries[i].info.param]]
-            ops.muon_apply([mat(entries[i].param) for i in batch], [updates[i] for i in batch], masters=masters,
-                           lr=group["lr"], weight_decay=group["weight_decay"], lr_scale=group["lr_scale"],
-                           matrix_shape=(rows, cols), found_inf=found_inf)
+            params, batch_updates = [mat(entries[i].param) for i in batch], [updates[i] for i in batch]
+            for block_rows, scale, index in runs:
+                lr, weight_decay = row_blocks.scaled(group["lr"], group["weight_decay"], scale)
+                _apply_rows(index, params, batch_updates, masters, lambda ps, us, ms: ops.muon_apply(
+                    ps, us, masters=ms, lr=lr, weight_decay=weight_decay, lr_scale=group["lr_scale"],
+                    matrix_shape=(block_rows, cols), found_inf=found_inf))
+
+    def _gram(self, group: dict, rows: int, cols: int, entries: List[_Entry], updates: List[torch.Tensor],
+              stats: List[torch.Tensor], layout: Layout, blocks, found_inf) -> int:
+        """split_polar="gram": each matrix (each row block) orthogonalized where it lies, by tp_polar's Gram
+        all_reduces over the one mesh dim that splits it, then NorMuon with the whole matrix's statistics: no
+        rank gathers a matrix (docs/design.md, "Distributed (DTensor params)"). Returns the bytes sent."""
+        if found_inf is not None and bool(found_inf.item()):  # a skipped step must not move the statistics
+            return 0
+        p = entries[0].info.param
+        mesh_dim = layout.split_dims[0]
+        shard_dim = 0 if p.placements[mesh_dim].dim == 0 else 1
+        process_group = layout.mesh.get_group(mesh_dim)
+        mesh_shape, coordinate = tuple(layout.mesh.mesh.shape), layout.mesh.get_coordinate()
+        held = dim_indices(rows, 0, mesh_shape, p.placements, coordinate) if shard_dim == 0 else \
+            _held_columns(p, mesh_shape, coordinate)
+        parts = row_blocks.gram_parts(blocks, held if shard_dim == 0 else None, rows, cols)
+        stats_local = bool(stats) and stats_follow_rows(p, group)
+        coefficients, steps = group["ns_coefficients"], group["ns_steps"]
+        sent = 0
+        per_block_stats = [row_blocks.block_stats(s, blocks, cols) if blocks is not None else [s] for s in stats]
+        for k, (local_rows, along, shape) in enumerate(parts):
+            # every matrix of the group at once: one Gram all_reduce per iteration
+            x = torch.stack([u if local_rows is None else u.index_select(0, local_rows) for u in updates])
+            sent += polar_express_sharded(x, process_group, shard_dim, coefficients, steps)
+            self.polar_flops += len(updates) * _polar_flops(*shape, steps)
+            for i, update in enumerate(updates):
+                if stats:
+                    sent += normuon_sharded(x[i], per_block_stats[i][k], group["beta2"], process_group, shard_dim,
+                                            held if along is None else along, shape, stats_local)
+                if local_rows is None:
+                    update.copy_(x[i])
+                else:
+                    update.index_copy_(0, local_rows, x[i])
+        return sent
 
     @staticmethod
     def _muon_fused(group: dict, entries: List[_Entry], moms, mat, tensors, inv_scale, found_inf,
-                    max_workspace_bytes: int) -> None:
+                    max_workspace_bytes: int, blocks) -> None:
         for batch in _batches(list(range(len(entries))),
                               lambda i: (entries[i].param.dtype, entries[i].info.master, entries[i].grad.dtype)):
             state = [tensors[entries[i].info.param] for i in batch]
-            ops.muon_step(
-                [mat(entries[i].param) for i in batch], [mat(entries[i].grad) for i in batch], [moms[i] for i in batch],
+            row_blocks.muon_step(
+                blocks, group, [mat(entries[i].param) for i in batch], [mat(entries[i].grad) for i in batch],
+                [moms[i] for i in batch],
                 [local(s["second_momentum_buffer"]) for s in state] if group["beta2"] is not None else [],
-                masters=[mat(local(s["master_param"])) for s in state if "master_param" in s], lr=group["lr"],
-                momentum=group["momentum"], nesterov=group["nesterov"], beta2=group["beta2"],
-                weight_decay=group["weight_decay"], ns_steps=group["ns_steps"],
-                ns_coefficients=group["ns_coefficients"], lr_scale=group["lr_scale"],
-                polar_dtype=group["polar_dtype"], polar_method=group["polar_method"], inv_scale=inv_scale,
+                [mat(local(s["master_param"])) for s in state if "master_param" in s], inv_scale=inv_scale,
                 found_inf=found_inf, max_workspace_bytes=max_workspace_bytes)
 
 
@@ -410,6 +466,31 @@ def _work(infos: List[ParamInfo], grads: Dict, groups: List[dict]):
             key = (info.group, rows, cols, tuple(p.placements), p.device_mesh) + ((view_shape,) if view_shape else ())
             muon.setdefault(key, []).append(entry)
     return list(adamw.items()), [(k[:5], v) for k, v in muon.items()]
+
+
+def _held_columns(p, mesh_shape, coordinate) -> torch.Tensor:
+    """The columns of `p`'s matrix (dims 1.. flattened) this rank holds, in local order."""
+    index = torch.arange(math.prod(p.shape[1:])).view(p.shape[1:])
+    for dim in range(1, p.dim()):
+        index = index.index_select(dim - 1, dim_indices(p.shape[dim], dim, mesh_shape, p.placements, coordinate))
+    return index.reshape(-1)
+
+
+def _apply_rows(index, params: List[torch.Tensor], updates: List[torch.Tensor], masters: List[torch.Tensor],
+                apply) -> None:
+    """Muon phase 3 (`apply(params, updates, masters)`, elementwise) on the local rows `index` of each
+    matrix (None: all of them): gathered, applied, written back."""
+    if index is None:
+        apply(params, updates, masters)
+        return
+    if index.numel() == 0:
+        return
+    index = index.to(params[0].device)
+    rows = lambda ts: [t.index_select(0, index) for t in ts]  # noqa: E731
+    part_params, part_masters = rows(params), rows(masters)
+    apply(part_params, rows(updates), part_masters)
+    for whole, part in zip(params + masters, part_params + part_masters):
+        whole.index_copy_(0, index, part)
 
 
 def _batches(items: list, key) -> List[list]:

@@ -23,9 +23,8 @@ from megatron.core.optimizer.optimizer import MegatronOptimizer
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
 
-from .. import MuonAdamW
+from .. import MuonAdamW, row_blocks
 from ..distributed.placements import local
-from .blocks import BlockStep, qkv_row_blocks
 from . import config as cfg
 from .params import MegatronParam, TensorParallelView
 
@@ -50,8 +49,6 @@ class MegatronMuonAdamW(MegatronOptimizer):
         self._megatron_groups = megatron_groups
         self._params = params  # id(model param) -> MegatronParam
         self._views: Dict[int, TensorParallelView] = {}
-        self._hand: Dict[int, BlockStep] = {}  # id(inner tensor) -> how the adapter steps it (blocks.py)
-        self._hand_by_param: Dict[int, torch.Tensor] = {}  # id(model param) -> that inner tensor
         self._qkv_split_shapes = qkv_split_shapes
         self.pg_collection = pg_collection
         self.grad_scaler = grad_scaler
@@ -68,29 +65,32 @@ class MegatronMuonAdamW(MegatronOptimizer):
     # -- construction -------------------------------------------------------
 
     def _inner_groups(self, config, beta2, ns_coefficients) -> List[dict]:
-        """One AdamW group per Megatron group, and one Muon group per (Megatron group, update factor)."""
+        """One AdamW group per Megatron group, and one Muon group per (Megatron group, update factor); the
+        fused QKV weight under muon_split_qkv in a Muon group of its own whose row_blocks are Megatron's Q, K
+        and V matrices, each with its own update factor (row_block_scales)."""
         muon_settings = cfg.muon_settings(config, beta2, ns_coefficients)
+        if self.tp_mode == "distributed":  # TP-split matrices orthogonalized in place by Gram all_reduces
+            muon_settings["split_polar"] = "gram"
         adamw_settings = cfg.adamw_settings(config)
         inner = []
         for index, group in enumerate(self._megatron_groups):
             by_key: Dict[tuple, dict] = {}
             for p in group["params"]:
                 mp = self._params[id(p)]
-                tensor = self._inner_param(mp, beta2)
+                tensor = self._inner_param(mp)
+                blocks = {}
                 if mp.kind == "adamw":
                     key, factor, settings = ("adamw",), 1.0, adamw_settings
-                elif id(tensor) in self._hand:  # each block has its own factor, applied in BlockStep.step
-                    hand = self._hand[id(tensor)]
-                    hand.factors = [cfg.muon_scale(r, c, config.muon_scale_mode, config.muon_extra_scale_factor)
-                                    for r, c in hand.block_shapes()]
-                    key, factor, settings = ("muon", 1.0), 1.0, muon_settings
+                elif self._qkv_split_shapes is not None and _is_qkv(mp):
+                    blocks = self._qkv_blocks(mp, config)
+                    key, factor, settings = ("muon", 1.0, repr(blocks)), 1.0, muon_settings
                 else:
                     rows, cols = self._muon_shape(mp)
                     factor = cfg.muon_scale(rows, cols, config.muon_scale_mode, config.muon_extra_scale_factor)
                     key, settings = ("muon", factor), muon_settings
                 if key not in by_key:
                     by_key[key] = dict(kind=key[0], params=[], param_names=[], megatron_group=index,
-                                       update_factor=factor, **settings)
+                                       update_factor=factor, **settings, **blocks)
                 by_key[key]["params"].append(tensor)
                 by_key[key]["param_names"].append(mp.name)
             inner.extend(by_key.values())
@@ -98,31 +98,31 @@ class MegatronMuonAdamW(MegatronOptimizer):
             group["lr"], group["weight_decay"] = self._lr_and_decay(group)
         return inner
 
+    def _qkv_blocks(self, mp: MegatronParam, config) -> dict:
+        """Megatron's QKV split of the matrix Muon sees (the local shard in "blockwise" mode, else the whole
+        weight): per query group q, k and v rows; one Q, one K and one V matrix gathered across the groups,
+        each scaled by its own shape (muon_ext.row_blocks: index blocks and row_block_scales)."""
+        rows, cols = self._muon_shape(mp)
+        per_group = sum(self._qkv_split_shapes)
+        if rows % per_group:
+            raise ValueError(f"muon_ext.megatron: a linear_qkv weight of {rows} rows does not hold whole query "
+                             f"groups of {per_group} rows ({tuple(self._qkv_split_shapes)})")
+        groups = rows // per_group
+        scales = tuple(cfg.muon_scale(groups * size, cols, config.muon_scale_mode, config.muon_extra_scale_factor)
+                       for size in self._qkv_split_shapes)
+        return dict(row_blocks=row_blocks.interleaved(groups, self._qkv_split_shapes), row_block_scales=scales)
+
     def _muon_shape(self, mp: MegatronParam):
         """The matrix Muon orthogonalizes: the local shard in "blockwise" mode, else the whole matrix."""
         if mp.partition_dim is None or self.tp_mode == "blockwise":
             return tuple(mp.param.shape)
         return mp.full_shape()
 
-    def _inner_param(self, mp: MegatronParam, beta2) -> torch.Tensor:
-        """The tensor the inner MuonAdamW holds for a model param: the param itself, its DTensor
-        view ("duplicated"), or a storage-sharing tensor without a grad for params stepped here."""
-        split = mp.kind == "muon" and mp.partition_dim is not None and self.tp_mode != "blockwise"
-        qkv = mp.kind == "muon" and self._qkv_split_shapes is not None and _is_qkv(mp)
-        if qkv or (split and self.tp_mode == "distributed"):
-            if beta2 is not None:
-                raise ValueError(f"muon_ext.megatron: {mp.name}: NorMuon (beta2) is not supported with "
-                                 "muon_split_qkv or muon_tp_mode='distributed' (its statistics span the blocks)")
-            blocks = qkv_row_blocks(mp.param.shape[0], self._qkv_split_shapes) if qkv else [None]
-            mode = "local" if not split else ("gram" if self.tp_mode == "distributed" else "gather")
-            # The inner optimizer owns its state (momentum, remainders: checkpoints, update_param) but never
-            # steps it: this tensor shares the param's storage and has no main_grad, so its step skips it.
-            tensor = mp.param.detach()
-            self._hand[id(tensor)] = BlockStep(mp.name, mp.param, tensor, blocks, mode,
-                                               mp.tp_group if split else None, mp.partition_dim if split else None)
-            self._hand_by_param[id(mp.param)] = tensor
-            return tensor
-        if split:
+    def _inner_param(self, mp: MegatronParam) -> torch.Tensor:
+        """The tensor the inner MuonAdamW holds for a model param: the param itself, or for a TP-split Muon
+        param outside "blockwise" mode its DTensor view (orthogonalized whole by the owner exchange,
+        "duplicated", or in place by Gram all_reduces, "distributed")."""
+        if mp.kind == "muon" and mp.partition_dim is not None and self.tp_mode != "blockwise":
             view = TensorParallelView(mp)
             view.refresh_grad()
             self._views[id(mp.param)] = view
@@ -149,9 +149,7 @@ class MegatronMuonAdamW(MegatronOptimizer):
     def view_of(self, param: torch.nn.Parameter) -> torch.Tensor:
         """The tensor the inner MuonAdamW holds for a model param: the param, or its DTensor view."""
         view = self._views.get(id(param))
-        if view is not None:
-            return view.dtensor
-        return self._hand_by_param.get(id(param), param)
+        return param if view is None else view.dtensor
 
     # -- grads -------------------------------------------------------------
 
@@ -228,18 +226,7 @@ class MegatronMuonAdamW(MegatronOptimizer):
         for view in self._views.values():
             view.refresh_grad()
         self.optimizer.step()
-        if self._hand:
-            self._step_by_hand()
         return True
-
-    def _step_by_hand(self) -> None:
-        """The params of blocks.py (QKV split, "distributed" TP), in the inner groups' order
-        (the same on every rank of a TP group: their collectives pair up)."""
-        for group in self.optimizer.param_groups:
-            for tensor in group["params"]:
-                hand = self._hand.get(id(tensor))
-                if hand is not None:
-                    hand.step(self.optimizer.state[tensor], group, hand.factors)
 
     @torch.no_grad()
     def step(self):
@@ -299,7 +286,6 @@ class MegatronMuonAdamW(MegatronOptimizer):
     def _model_param_of(self) -> List[torch.nn.Parameter]:
         """The model param behind each inner param, in the inner state dict's order."""
         by_view = {id(v.dtensor): v.source.param for v in self._views.values()}
-        by_view.update({tid: hand.param for tid, hand in self._hand.items()})
         return [by_view.get(id(p), p) for p in self._inner_params()]
 
     def _as_views(self, inner: dict) -> dict:
@@ -315,11 +301,16 @@ class MegatronMuonAdamW(MegatronOptimizer):
             if view is None or entry is None:
                 continue
             wrapped = {}
+            current = self.optimizer.state.get(view.dtensor, {})
             for key, value in entry.items():
                 if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
-                    same_shape = tuple(value.shape) == tuple(view.source.param.shape)
-                    placements = view.placements if same_shape else (Replicate(),)
-                    like = view.dtensor if same_shape else value
+                    like = current.get(key)
+                    if isinstance(like, DTensor):  # placed as this run's entry (NorMuon statistics: rows or whole)
+                        placements = like.placements
+                    else:
+                        same_shape = tuple(value.shape) == tuple(view.source.param.shape)
+                        placements = view.placements if same_shape else (Replicate(),)
+                        like = view.dtensor if same_shape else value
                     value = DTensor.from_local(value.contiguous(), view.mesh, placements, run_check=False,
                                                shape=like.shape, stride=like.stride())
                 wrapped[key] = value
@@ -328,8 +319,10 @@ class MegatronMuonAdamW(MegatronOptimizer):
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, metadata: Optional[dict] = None):
         """Every param-shaped state tensor (moments, FP32 masters) as a ShardedTensor
-        sharded like its model param, so that dist_checkpointing reshards it across
-        TP sizes. AdamW step counters are saved once, as Megatron does ("common_step")."""
+        sharded like its model param, and NorMuon statistics as the whole matrix's
+        (split by rows where they follow a row split), so that dist_checkpointing
+        reshards them across TP sizes. AdamW step counters are saved once, as
+        Megatron does ("common_step")."""
         state = self.state_dict()
         inner = state["optimizer"]
         models = self._model_param_of()
@@ -343,17 +336,50 @@ class MegatronMuonAdamW(MegatronOptimizer):
                 if key == "step":
                     common_step = local(value).clone() if common_step is None else common_step
                     continue
-                value = local(value)
-                if tuple(value.shape) != tuple(models[index].shape):
-                    raise ValueError(f"muon_ext.megatron: state '{key}' of {self._params[id(models[index])].name} "
-                                     f"has shape {tuple(value.shape)}, not the param's; NorMuon statistics are not "
-                                     "supported in dist_checkpointing yet (use beta2=None)")
-                out[key] = make_sharded_optimizer_tensor(model_param, value, prefix=f"optimizer.state.{key}")
+                if key == "second_momentum_buffer":
+                    out[key] = self._statistics_tensor(model_param, value, self._params[id(models[index])])
+                    continue
+                out[key] = make_sharded_optimizer_tensor(model_param, local(value), prefix=f"optimizer.state.{key}")
             sharded[index] = out
         if common_step is not None:
             sharded["common_step"] = common_step
         inner = dict(inner, state=sharded)
         return dict(state, optimizer=inner)
+
+    def _statistics_tensor(self, model_param, value: torch.Tensor, mp: MegatronParam):
+        """NorMuon statistics as a ShardedTensor under the model param's key and prepended (layer) axes: split
+        over TP by rows where this rank holds only its rows' (a DTensor view split on dim 0 whose statistics
+        follow the rows; "blockwise": each shard's own, at the same TP size only), else the whole statistics,
+        one replica per TP group."""
+        from megatron.core.dist_checkpointing import ShardedTensor
+        from torch.distributed.tensor import DTensor, Shard
+
+        if not isinstance(model_param, ShardedTensor):
+            raise ValueError(f"muon_ext.megatron: {mp.name}: NorMuon statistics of a param saved through a "
+                             "ShardedTensorFactory are not supported in dist_checkpointing (use beta2=None)")
+        data = local(value).contiguous()
+        tp_rank = torch.distributed.get_rank(mp.tp_group) if mp.tp_group is not None else 0
+        if isinstance(value, DTensor):
+            by_rows = any(isinstance(pl, Shard) and pl.dim == 0 for pl in value.placements)
+        else:
+            by_rows = mp.partition_dim is not None
+        n = model_param.prepend_axis_num
+        replica = model_param.replica_id if isinstance(model_param.replica_id, tuple) else (model_param.replica_id,)
+        rest = (0,) * (data.dim() - 1)
+        if by_rows:
+            shape = (data.shape[0] * mp.tp_size,) + tuple(data.shape[1:])
+            offset, fragments = (data.shape[0] * tp_rank,) + rest, (mp.tp_size,) + (1,) * (data.dim() - 1)
+        else:
+            shape, offset, fragments = tuple(data.shape), (0,) + rest, (1,) * data.dim()
+            replica = (tp_rank,) + replica
+        sharded = ShardedTensor(
+            key=f"optimizer.state.second_momentum_buffer.{model_param.key}", data=data, dtype=data.dtype,
+            local_shape=tuple(data.shape), global_shape=tuple(model_param.global_shape[:n]) + shape,
+            global_offset=tuple(model_param.global_offset[:n]) + offset,
+            axis_fragmentations=tuple(model_param.axis_fragmentations[:n]) + fragments, replica_id=replica,
+            prepend_axis_num=n)
+        sharded.validate_metadata_integrity()
+        return sharded
 
     def _with_steps(self, inner: dict) -> dict:
         """The per-param AdamW step counters back from a sharded checkpoint's "common_step"."""

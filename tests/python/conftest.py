@@ -1,5 +1,6 @@
 """Shared pytest configuration: GPU tests are skipped on machines without CUDA;
-hypothesis profiles for the property tests (test_properties.py)."""
+the `device` fixture ("cpu", and "cuda" marked gpu) for tests that run on
+both; hypothesis profiles for the property tests (test_properties.py)."""
 
 import os
 
@@ -21,6 +22,12 @@ if settings is not None:
     settings.register_profile("ci", max_examples=25, derandomize=True, **_common)
     settings.register_profile("thorough", max_examples=500, **_common)
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def device(request) -> str:
+    """The device a test runs on: every test taking it runs on the CPU, and on CUDA where there is one."""
+    return request.param
 
 
 def pytest_collection_modifyitems(config, items):

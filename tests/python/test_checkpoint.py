@@ -8,7 +8,8 @@ import io
 import pytest
 import torch
 
-from support.helpers import assert_bit_equal, assert_optimizer_unchanged, assert_same_optimizer_tensors, optimizer_snapshot
+from support.helpers import assert_bit_equal, assert_same_optimizer_tensors
+from support.optimizer_snapshot import assert_unchanged, snapshot
 from muon_ext import MuonAdamW, ops
 
 # name: (param dtype, optimizer kwargs)
@@ -250,11 +251,11 @@ def test_bad_state_dicts_raise_before_anything_changes(case):
     _CORRUPTIONS[case](sd)
     other_model, other = _build("bf16_remainder", seed=1)
     _train(other_model, other, range(1))
-    snap = optimizer_snapshot(other)
+    snap = snapshot(other)
     groups = copy.deepcopy([{k: v for k, v in g.items() if k != "params"} for g in other.param_groups])
     with pytest.raises((ValueError, TypeError)):
         other.load_state_dict(sd)
-    assert_optimizer_unchanged(other, snap)
+    assert_unchanged(other, snap)
     assert [{k: v for k, v in g.items() if k != "params"} for g in other.param_groups] == groups
 
 
@@ -265,10 +266,10 @@ def test_int16_master_for_an_fp32_param_is_refused():
     _train(model, opt, range(1))
     sd = copy.deepcopy(opt.state_dict())
     _last_adamw_entry(sd)["master_param"] = torch.zeros(12, dtype=torch.int16)
-    snap = optimizer_snapshot(opt)
+    snap = snapshot(opt)
     with pytest.raises(TypeError, match="int16"):
         opt.load_state_dict(sd)
-    assert_optimizer_unchanged(opt, snap)
+    assert_unchanged(opt, snap)
 
 
 @pytest.mark.parametrize("target", ["bf16_fp32_master", "bf16_remainder"])
@@ -328,10 +329,10 @@ def test_second_moment_checked_against_the_loaded_beta2():
     bad = copy.deepcopy(saved)
     first = bad["state"][bad["param_groups"][0]["params"][0]]
     first["second_momentum_buffer"] = first["second_momentum_buffer"].mT.contiguous()
-    snap = optimizer_snapshot(target)
+    snap = snapshot(target)
     with pytest.raises(ValueError, match="second_momentum_buffer"):
         target.load_state_dict(bad)
-    assert_optimizer_unchanged(target, snap)
+    assert_unchanged(target, snap)
     target.load_state_dict(saved)
     p0 = target.param_groups[0]["params"][0]
     assert target.param_groups[0]["beta2"] == 0.95

@@ -26,7 +26,8 @@ from typing import Callable, NamedTuple, Optional
 import pytest
 import torch
 
-from support.helpers import assert_bit_equal, assert_optimizer_unchanged, optimizer_snapshot, optimizer_tensors
+from support.helpers import assert_bit_equal, optimizer_tensors
+from support.optimizer_snapshot import assert_unchanged, snapshot
 from test_checkpoint import _build, _train
 
 # The model, groups and grads of test_checkpoint.py (modes bf16_remainder and fp16_fp32_master).
@@ -198,13 +199,13 @@ def test_a_refused_checkpoint_changes_nothing_and_the_optimizer_carries_on(case)
     case.corrupt(bad)
     model, opt = _target(case.mode)
     twin_model, twin = _target(case.mode)
-    snap, settings = optimizer_snapshot(opt), copy.deepcopy(_settings(opt))
+    snap, settings = snapshot(opt), copy.deepcopy(_settings(opt))
 
     with pytest.raises((TypeError, ValueError)) as raised:
         opt.load_state_dict(bad)
     message = str(raised.value)
     assert re.search(_WHERE, message) and re.search(case.what, message), f"unclear message: {message!r}"
-    assert_optimizer_unchanged(opt, snap)
+    assert_unchanged(opt, snap)
     assert _settings(opt) == settings
 
     # Steps as if nothing happened, then loads a good checkpoint as if nothing happened.
@@ -221,10 +222,10 @@ def test_a_refused_checkpoint_changes_nothing_and_the_optimizer_carries_on(case)
 
 def test_a_state_dict_that_is_not_a_dict_is_refused():
     model, opt = _target("bf16_remainder")
-    snap = optimizer_snapshot(opt)
+    snap = snapshot(opt)
     with pytest.raises((TypeError, ValueError), match=_WHERE):
         opt.load_state_dict([_source("bf16_remainder")])  # e.g. torch.load of another file
-    assert_optimizer_unchanged(opt, snap)
+    assert_unchanged(opt, snap)
 
 
 def _same(sd):
@@ -291,11 +292,11 @@ def test_a_step_count_beyond_int64_is_refused_or_steps_finite():
     bad = copy.deepcopy(clean)
     _adamw_last(bad)["step"] = torch.tensor(1e30)
     model, opt = _target("bf16_remainder")
-    snap = optimizer_snapshot(opt)
+    snap = snapshot(opt)
     try:
         opt.load_state_dict(bad)
     except (TypeError, ValueError):
-        assert_optimizer_unchanged(opt, snap)
+        assert_unchanged(opt, snap)
         return
     _train(model, opt, range(1, 2))
     assert _all_finite(opt), "a loaded step count turned params or state into NaN"

@@ -4,9 +4,11 @@ processes. DTensor params with Shard(0) (FSDP2), (Replicate(), Shard(0))
 (HSDP), Replicate() (DDP) and tensor-parallel layouts (support/tp_cases.py) step like the single-process optimizer, bit for
 bit on the CPU; refusals are raised on every rank; DCP checkpoints move
 between world sizes. Every job runs under a collective timeout and a join
-deadline (dist_helpers.spawn), so a hang fails."""
+deadline (dist_helpers.spawn), so a hang fails. On CUDA (marked gpu): the
+same cases on NCCL, one GPU per rank (W=2 needs two GPUs)."""
 
 import pytest
+import torch
 
 from support import distributed_cases as cases
 from support import tp_cases
@@ -66,3 +68,12 @@ def test_world_4_hsdp_fsdp_tp_and_dcp(w4_job):
 def test_world_1_steps_and_dcp_resume(tmp_path, w4_job):
     """Steps at W=1; both checkpoints (saved at W=2 and at FSDP x TP 2x2) resumed in one process."""
     spawn(tmp_path, 1, cases.run_all, W1_CASES, w4_job)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [1, 2])
+def test_nccl_sharded_steps_match_single_gpu(tmp_path, world):
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    spawn(tmp_path, world, cases.run_all, [(cases.cuda_sharded_matches_single_process, (world,))], backend="nccl",
+          timeout_s=120)  # inside gpu_check.sh's 240 s test stage, so a hang fails this test, not the stage

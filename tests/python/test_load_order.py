@@ -14,10 +14,10 @@ import pickle
 import pytest
 import torch
 
-import muon_ext.state
+import muon_ext.loaded_masters
 from support.helpers import assert_bit_equal, optimizer_tensors
 from muon_ext import MuonAdamW, ops
-from muon_ext.state import is_rounding_of
+from muon_ext.loaded_masters import is_rounding_of
 
 # name: (param dtype, optimizer kwargs, whether a checkpoint holds FP32 masters)
 CONFIGS = {
@@ -282,8 +282,8 @@ def test_transformer_engine_int16_masters_in_either_order(resumed, order):
 def test_nothing_is_checked_at_a_step_once_settled(saved_runs, monkeypatch):
     """Settling runs once per loaded master, at its next use; later steps pay nothing."""
     calls = []
-    real = muon_ext.state.is_rounding_of
-    monkeypatch.setattr(muon_ext.state, "is_rounding_of", lambda *a: calls.append(1) or real(*a))
+    real = muon_ext.loaded_masters.is_rounding_of
+    monkeypatch.setattr(muon_ext.loaded_masters, "is_rounding_of", lambda *a: calls.append(1) or real(*a))
     checkpoint, _ = saved_runs["bf16_fp32_master"]
     model, opt = _build("bf16_remainder", seed=1)
     _load(model, opt, checkpoint, "optimizer_first")

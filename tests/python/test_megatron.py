@@ -18,6 +18,7 @@ def test_megatron_tp1_tp2_training_norms_scheduler_fp16_and_resume(tmp_path):
 
     spawn(tmp_path, 2, cases.run_all, [
         (cases.dist_checkpoint_across_tp, (str(tmp_path / "ckpt"),)),
+        (cases.normuon_tp_modes_split_qkv_and_resume, (str(tmp_path / "ckpt"),)),
         (cases.qk_clip_matches_megatron_math_at_tp2, ()),
         (cases.tp_modes_against_replayed_tp1, ()),
         (cases.qkv_split_against_hand_split_and_tp1, ()),

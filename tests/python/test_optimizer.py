@@ -7,10 +7,12 @@ import pickle
 import pytest
 import torch
 
-from support.helpers import assert_bit_equal, assert_optimizer_unchanged, bits, optimizer_snapshot, optimizer_tensors
+from support.helpers import assert_bit_equal, bits, optimizer_tensors
+from support.optimizer_snapshot import assert_unchanged, snapshot, tensor_bits
 from muon_ext import MuonAdamW, ops, reference
 from support.optimizer_helpers import MuonTwin, adamw_hyper, as_params, bf16_values, grad_seq, muon_hyper, set_grads
 from support.muon_helpers import stat_shape
+import muon_ext
 
 POLAR_EXPRESS = reference.POLAR_EXPRESS_COEFFICIENTS
 
@@ -145,15 +147,15 @@ def test_add_param_group_validates_the_same_way(case):
     if case == "param_in_two_groups":
         group = dict(group, params=[group["params"][0], w])
     groups_before = [dict(g) for g in opt.param_groups]
-    snap = optimizer_snapshot(opt)
+    snap = snapshot(opt)
     with pytest.raises(exc_type) as exc:
         opt.add_param_group(group)
     _check_message(exc, fragments)
     assert opt.param_groups == groups_before
     assert set(opt.state) == {w}
-    assert_optimizer_unchanged(opt, snap)
+    assert_unchanged(opt, snap)
     opt.step()
-    assert not torch.equal(bits(w), snap["group 0 param 0"])
+    assert tensor_bits(w) != snap["params"][id(w)][0]
 
 
 def test_add_param_group_creates_state_and_steps_new_params():
@@ -208,20 +210,20 @@ def test_unsupported_dtensor_placements_are_refused(gloo_world):
     _check_message(exc, ["param group 1 (muon), param 0 'wd'", "DTensor", "Shard(dim=1)", "matrix_view='batch'"])
     MuonAdamW([{"params": [distribute_tensor(torch.randn(8, 4), gloo_world, [Shard(1)])], "kind": "muon"}])
     opt = MuonAdamW([{"params": [_GOOD], "kind": "muon"}])
-    snap = optimizer_snapshot(opt)
+    snap = snapshot(opt)
     partial = torch.distributed.tensor.DTensor.from_local(torch.randn(8, 4), gloo_world, [Partial()])
     with pytest.raises(TypeError) as exc:
         opt.add_param_group({"params": [torch.nn.Parameter(partial)], "kind": "adamw"})
     _check_message(exc, ["param group 1 (adamw), param 0", "DTensor", "Partial"])
     assert len(opt.param_groups) == 1
-    assert_optimizer_unchanged(opt, snap)
+    assert_unchanged(opt, snap)
     assert torch.equal(bits(d.to_local()), before)
     w = torch.nn.Parameter(torch.randn(8, 4))
     opt = MuonAdamW([{"params": [w], "kind": "muon"}])
-    snap = optimizer_snapshot(opt)
+    snap = snapshot(opt)
     with pytest.raises(TypeError, match="is a plain tensor, so its values must be a plain tensor too"):
         opt.update_param(w, distribute_tensor(torch.zeros(8, 4), gloo_world, [Shard(0)]))
-    assert_optimizer_unchanged(opt, snap)
+    assert_unchanged(opt, snap)
 
 
 # ---------------------------------------------------------------------------
@@ -410,10 +412,10 @@ def test_copied_optimizer_is_independent_and_complete(how):
     copied = [p for g in twin.param_groups for p in g["params"]]
     assert twin.store_param_remainders is False and twin.master_weights == "auto"
     assert all(a is not b for a, b in zip(params, copied))
-    snap = optimizer_snapshot(opt)
+    snap = snapshot(opt)
     set_grads(copied, grads[1])
     twin.step()
-    assert_optimizer_unchanged(opt, snap)
+    assert_unchanged(opt, snap)
     set_grads(params, grads[1])
     opt.step()
     for key, t in optimizer_tensors(twin).items():
@@ -539,13 +541,13 @@ def test_grad_scaler_inf_skips_the_whole_step():
         set_grads(params, [g * scaler.get_scale() for g in grads])
         scaler.step(opt)
         scaler.update()
-    snap = optimizer_snapshot(opt)
+    snap = snapshot(opt)
     scaler.scale(torch.ones(()))
     set_grads(params, [g * scaler.get_scale() for g in grad_seq(shapes, 1, seed=7)[0]])
     params[1].grad[3, 5] = float("inf")
     scaler.step(opt)
     scaler.update()
-    assert_optimizer_unchanged(opt, snap)
+    assert_unchanged(opt, snap)
     assert scaler.get_scale() == 2.0**9
     assert float(opt.state[params[3]]["step"]) == 2.0
 
@@ -617,20 +619,20 @@ def test_a_bad_grad_or_setting_anywhere_raises_before_any_param_is_written(case)
     setup, exc_type, fragment = _late_failures()[case]
     opt, a, w = _two_kind_optimizer(grad_attr="main_grad")
     setup(opt, a, w, "main_grad")
-    snap = optimizer_snapshot(opt)
+    snap = snapshot(opt)
     with pytest.raises(exc_type, match=fragment.replace("(", r"\(").replace(")", r"\)")):
         opt.step()
-    assert_optimizer_unchanged(opt, snap)
+    assert_unchanged(opt, snap)
 
 
 def test_sparse_grads_are_refused_by_name():
     emb = torch.nn.Embedding(10, 4, sparse=True)
     opt = MuonAdamW([{"params": [emb.weight], "kind": "adamw", "param_names": ["emb"]}])
     emb(torch.tensor([1, 2])).sum().backward()
-    snap = optimizer_snapshot(opt)
+    snap = snapshot(opt)
     with pytest.raises(TypeError, match="'emb': grad has layout torch.sparse_coo"):
         opt.step()
-    assert_optimizer_unchanged(opt, snap)
+    assert_unchanged(opt, snap)
 
 
 def test_zero_size_params_are_skipped():
@@ -653,10 +655,10 @@ def test_params_added_to_a_group_in_place_are_refused():
     extra = torch.nn.Parameter(torch.randn(5))
     extra.grad = torch.ones(5)
     opt.param_groups[0]["params"].append(extra)
-    snap = optimizer_snapshot(opt)
+    snap = snapshot(opt)
     with pytest.raises(ValueError, match="changed in place"):
         opt.step()
-    assert_optimizer_unchanged(opt, snap)
+    assert_unchanged(opt, snap)
 
 
 def test_grad_scaler_with_main_grad_is_refused_and_without_grads_is_a_no_op():
@@ -664,25 +666,25 @@ def test_grad_scaler_with_main_grad_is_refused_and_without_grads_is_a_no_op():
     scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
     scaler.scale(torch.ones(()))
     a.main_grad, w.main_grad = torch.randn(8), torch.randn(16, 12)
-    snap = optimizer_snapshot(opt)
+    snap = snapshot(opt)
     with pytest.raises(ValueError, match="GradScaler looks for infs in .grad"):
         scaler.step(opt)
-    assert_optimizer_unchanged(opt, snap)
+    assert_unchanged(opt, snap)
     # GradScaler leaves its inputs on the optimizer when step raises: dropped,
     # so a later plain step does not unscale with them.
     assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
     # With .grad populated too (hooks copy it into main_grad), GradScaler sees the infs: allowed.
     a.grad, w.grad = torch.randn(8).bfloat16(), torch.randn(16, 12).bfloat16()
     scaler.step(opt)
-    assert not torch.equal(bits(a), snap["group 0 param 0"])
+    assert tensor_bits(a) != snap["params"][id(a)][0]
 
     # With grad_attr="grad" and no grads at all, GradScaler hands over found_inf=0 (an int).
     opt, a, w = _two_kind_optimizer()
     scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
     scaler.scale(torch.ones(()))
-    snap = optimizer_snapshot(opt)
+    snap = snapshot(opt)
     scaler.step(opt)
-    assert_optimizer_unchanged(opt, snap)
+    assert_unchanged(opt, snap)
 
 
 def test_pending_master_reads_survive_deepcopy():
@@ -880,7 +882,223 @@ def test_a_param_made_non_contiguous_after_construction_is_refused_by_name():
     opt = MuonAdamW([{"params": [conv.weight], "kind": "muon", "matrix_view": "flatten", "param_names": ["conv"]}])
     conv.to(memory_format=torch.channels_last)
     conv.weight.grad = torch.ones_like(conv.weight)
-    snap = optimizer_snapshot(opt)
+    snap = snapshot(opt)
     with pytest.raises(ValueError, match="'conv' is no longer contiguous"):
         opt.step()
-    assert_optimizer_unchanged(opt, snap)
+    assert_unchanged(opt, snap)
+
+
+# -- On CUDA (marked gpu, skipped without a device; before: test_optimizer_cuda.py)
+# MuonAdamW on CUDA (GPU only): against the same optimizer on CPU, with
+# GradScaler("cuda"), without host syncs, captured in a CUDA graph, and
+# update_param refused in graph capture.
+
+
+N_MUON = 3  # fc.weight, proj.weight, odd: the first group
+
+
+class _Net(torch.nn.Module):
+    """A small GPT-like model: embedding, two MLP Linears, an odd-shaped matrix, LayerNorm, head."""
+
+    def __init__(self):
+        super().__init__()
+        self.wte = torch.nn.Embedding(100, 48)
+        self.fc = torch.nn.Linear(48, 160)
+        self.proj = torch.nn.Linear(160, 48)
+        self.odd = torch.nn.Parameter(torch.randn(3, 5) * 0.2)
+        self.ln = torch.nn.LayerNorm(48)
+        self.lm_head = torch.nn.Linear(48, 100, bias=False)
+
+
+def _build(device, dtype=torch.bfloat16, **kwargs):
+    """The same model (same initial bits) on `device`, grouped by muon_ext.param_groups."""
+    torch.manual_seed(0)
+    model = _Net().to(dtype).to(device)
+    groups = muon_ext.param_groups(model, lr=0.02, adamw_lr=0.01, adamw_weight_decay=0.1)
+    assert [g["kind"] for g in groups] == ["muon", "adamw"] and len(groups[0]["params"]) == 3
+    opt = MuonAdamW(groups, **kwargs)
+    return [p for g in opt.param_groups for p in g["params"]], opt
+
+
+def _grads(step, params):
+    """CPU grads for `params` (BF16, like the params), the same for every device."""
+    gen = torch.Generator().manual_seed(100 + step)
+    return [torch.randn(p.shape, generator=gen).to(p.dtype) for p in params]
+
+
+def _set_grads(params, grads, scale=1.0):
+    for p, g in zip(params, grads):
+        p.grad = (g.to(p.device) * scale).to(p.dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("config", [dict(), dict(store_param_remainders=False)], ids=["remainder", "fp32_master"])
+def test_cuda_matches_cpu(config):
+    """3 steps of the same BF16 model on CUDA and CPU: AdamW params, masters,
+    moments and steps bit for bit (shared element math, no FMA contraction);
+    Muon momentum bit for bit (it depends on grads only); Muon updates to the
+    BF16 noise of the CUDA Polar-Express (below 5% of the update norm, as in
+    test_muon.py, on CUDA)."""
+    cuda, opt_cuda = _build("cuda", **config)
+    cpu, opt_cpu = _build("cpu", **config)
+    start = [opt_cpu.get_full_parameter_master(p) for p in cpu]
+    for k in range(3):
+        grads = _grads(k, cpu)
+        _set_grads(cuda, grads)
+        _set_grads(cpu, grads)
+        opt_cuda.step()
+        opt_cpu.step()
+    for i, (a, b) in enumerate(zip(cuda, cpu)):
+        sa, sb = opt_cuda.state[a], opt_cpu.state[b]
+        if i >= N_MUON:
+            assert_bit_equal(a.detach().cpu(), b.detach(), f"adamw param {i}")
+            for key in sb:
+                assert_bit_equal(sa[key].cpu(), sb[key], f"adamw param {i} {key}")
+        else:
+            assert_bit_equal(sa["momentum_buffer"].cpu(), sb["momentum_buffer"], f"momentum {i}")
+            d_cuda = opt_cuda.get_full_parameter_master(a).cpu() - start[i]
+            d_cpu = opt_cpu.get_full_parameter_master(b) - start[i]
+            assert ((d_cuda - d_cpu).norm() / d_cpu.norm()).item() < 0.05, f"muon param {i}"
+
+
+@pytest.mark.gpu
+def test_grad_scaler_cuda_inf_skips_and_finite_equals_unscaled():
+    """GradScaler("cuda"): an inf in one Muon grad leaves every tensor
+    bit-identical; with finite grads and a power-of-two scale the run equals
+    an unscaled run bit for bit (Muon momentum included)."""
+    params, opt = _build("cuda")
+    plain, opt_plain = _build("cuda")
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**12)
+    for k in range(2):
+        scaler.scale(torch.ones((), device="cuda"))
+        _set_grads(params, _grads(k, params), scale=scaler.get_scale())
+        _set_grads(plain, _grads(k, params))
+        scaler.step(opt)
+        scaler.update()
+        opt_plain.step()
+    expected = optimizer_tensors(opt_plain)
+    for key, t in optimizer_tensors(opt).items():
+        assert_bit_equal(t, expected[key], key)
+
+    snap = snapshot(opt)
+    scaler.scale(torch.ones((), device="cuda"))
+    _set_grads(params, _grads(5, params), scale=scaler.get_scale())
+    params[1].grad[0, 0] = float("inf")
+    scaler.step(opt)
+    scaler.update()
+    assert_unchanged(opt, snap)
+    assert scaler.get_scale() == 2.0**11
+
+
+@pytest.mark.gpu
+def test_step_never_syncs_the_host():
+    """opt.step() under torch.cuda.set_sync_debug_mode("error"), called by
+    GradScaler.step with float lrs, for Muon and AdamW buckets, every step."""
+    params, opt = _build("cuda")
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**8)
+    unchecked_step = opt.step
+
+    def checked_step(closure=None):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return unchecked_step(closure)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    opt.step = checked_step
+    before = params[0].detach().clone()
+    for k in range(3):
+        scaler.scale(torch.ones((), device="cuda"))
+        _set_grads(params, _grads(k, params), scale=scaler.get_scale())
+        scaler.step(opt)
+        scaler.update()
+    assert not torch.equal(params[0].detach(), before)
+
+
+@pytest.mark.gpu
+def test_update_param_is_refused_during_graph_capture():
+    """update_param raises inside CUDA graph capture and writes nothing."""
+    params, opt = _build("cuda")
+    _set_grads(params, _grads(0, params))
+    opt.step()
+    values = torch.randn(params[0].shape, device="cuda")
+    snap = snapshot(opt)
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    torch.cuda.synchronize()
+    error = None
+    with torch.cuda.stream(stream):
+        graph.capture_begin()
+        try:
+            opt.update_param(params[0], values)
+        except RuntimeError as exc:
+            error = exc
+        finally:
+            graph.capture_end()
+    torch.cuda.synchronize()
+    assert error is not None and "capture" in str(error)
+    assert_unchanged(opt, snap)
+    opt.update_param(params[0], values)  # allowed outside capture
+    assert_bit_equal(opt.get_full_parameter_master(params[0]), values, "master")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("how", ["capturable", "lr_tensors_by_hand"])
+def test_step_captured_in_a_cuda_graph_replays_like_eager(how):
+    """With lr as device tensors (capturable=True, or set by hand), a whole step
+    (both kinds of groups, Muon workspaces from the graph's pool) captures into
+    a CUDA graph; replays with new grads and a changed lr give the same bits as
+    eager steps."""
+    kwargs = dict(capturable=True) if how == "capturable" else {}
+    eager_params, eager = _build("cuda", **kwargs)
+    graph_params, graphed = _build("cuda", **kwargs)
+    for opt in (eager, graphed):
+        for group in opt.param_groups:
+            if not isinstance(group["lr"], torch.Tensor):
+                group["lr"] = torch.tensor([group["lr"]], device="cuda")
+    static_grads = [torch.zeros_like(p) for p in graph_params]
+    for p, g in zip(graph_params, static_grads):
+        p.grad = g
+
+    # Warm up on a side stream (first-use allocations), then capture one step.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    warm = _build("cuda", **kwargs)[1]
+    for group in warm.param_groups:
+        if not isinstance(group["lr"], torch.Tensor):
+            group["lr"] = torch.tensor([group["lr"]], device="cuda")
+    with torch.cuda.stream(side):
+        _set_grads([p for g in warm.param_groups for p in g["params"]], _grads(0, graph_params))
+        warm.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graphed.step()
+
+    for step in range(3):
+        grads = _grads(step, graph_params)
+        for g, new in zip(static_grads, grads):
+            g.copy_(new.to("cuda"))
+        _set_grads(eager_params, grads)
+        if step == 2:
+            for opt in (eager, graphed):
+                for group in opt.param_groups:
+                    group["lr"].mul_(0.5)
+        graph.replay()
+        eager.step()
+    torch.cuda.synchronize()
+    for (name, a), b in zip(optimizer_tensors(graphed).items(), optimizer_tensors(eager).values()):
+        assert_bit_equal(a, b, name)
+
+
+@pytest.mark.gpu
+def test_capture_with_a_float_lr_is_refused():
+    params, opt = _build("cuda")
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()  # warm-up outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="capturable=True"):
+        with torch.cuda.graph(graph):
+            opt.step()

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import muon_ext
-from support.helpers import assert_optimizer_unchanged, bits, optimizer_snapshot
+from support.helpers import bits
+from support.optimizer_snapshot import assert_unchanged, snapshot
 from muon_ext import MuonAdamW, ops
 
 P = torch.nn.Parameter
@@ -214,10 +215,10 @@ def test_a_bad_max_workspace_bytes_is_refused_before_the_adamw_bucket_is_written
     opt = MuonAdamW([{"params": [a], "kind": "adamw"}, {"params": [w], "kind": "muon"}])
     a.grad, w.grad = torch.ones(8), torch.ones(16, 12)
     opt.max_workspace_bytes = 0
-    snap = optimizer_snapshot(opt)
+    snap = snapshot(opt)
     with pytest.raises(ValueError, match="max_workspace_bytes must be"):
         opt.step()
-    assert_optimizer_unchanged(opt, snap)
+    assert_unchanged(opt, snap)
 
 
 def test_params_of_two_buckets_sharing_memory_are_refused():
@@ -225,11 +226,11 @@ def test_params_of_two_buckets_sharing_memory_are_refused():
     shared = torch.zeros(16 * 8)
     w.data = shared.view(16, 8)
     a.data = shared[8:48].view(10, 4)
-    snap = optimizer_snapshot(opt)
+    snap = snapshot(opt)
     with pytest.raises(ValueError, match=r"param group 1 \(adamw\), param 0 'a' shares memory with param group 0 "
                                          r"\(muon\), param 0 'w'"):
         opt.step()
-    assert_optimizer_unchanged(opt, snap)
+    assert_unchanged(opt, snap)
 
 
 def test_a_param_with_no_elements_at_construction_that_grew_is_refused():
@@ -239,10 +240,10 @@ def test_a_param_with_no_elements_at_construction_that_grew_is_refused():
     opt.step()
     empty.data = torch.randn(3, 4)
     empty.grad = torch.ones(3, 4)
-    snap = optimizer_snapshot(opt)
+    snap = snapshot(opt)
     with pytest.raises(ValueError, match=r"'e' had no elements when the optimizer was built and has shape \(3, 4\)"):
         opt.step()
-    assert_optimizer_unchanged(opt, snap)
+    assert_unchanged(opt, snap)
 
 
 def test_checks_do_not_refuse_what_steps_fine():
@@ -280,17 +281,17 @@ def test_a_model_cast_to_bf16_after_construction_is_refused_and_the_advice_works
     opt.step()
     lin.bfloat16()
     lin.weight.grad = torch.ones_like(lin.weight)
-    snap = optimizer_snapshot(opt)
+    snap = snapshot(opt)
     with pytest.raises(TypeError) as error:
         opt.step()
     message = str(error.value)
     for fragment in ("param group 0 (adamw), param 0 'weight' is torch.bfloat16 but was torch.float32",
                      "Build the optimizer after casting the model", "state_dict()", "update_param"):
         assert fragment in message, message
-    assert_optimizer_unchanged(opt, snap)
+    assert_unchanged(opt, snap)
     with pytest.raises(TypeError, match="Build the optimizer after casting"):
         opt.update_param(lin.weight, torch.zeros(8, 8))
-    assert_optimizer_unchanged(opt, snap)
+    assert_unchanged(opt, snap)
 
     # The advice: a new optimizer built after the cast, loading the old one's state.
     new = MuonAdamW([dict(params=[lin.weight], kind="adamw", lr=1e-4, weight_decay=0.0)])
@@ -315,10 +316,10 @@ def test_any_cast_that_changes_the_master_mode_is_refused(case):
     opt, w, a, b = _optimizer(dtype, **kwargs)
     a.data = a.data.to(cast)
     a.grad = torch.ones_like(a)
-    snap = optimizer_snapshot(opt)
+    snap = snapshot(opt)
     with pytest.raises(TypeError, match=f"'a' is {cast} but was"):
         opt.step()
-    assert_optimizer_unchanged(opt, snap)
+    assert_unchanged(opt, snap)
 
 
 def test_a_cast_that_keeps_the_master_mode_is_still_refused_after_bucketing():
@@ -326,10 +327,10 @@ def test_a_cast_that_keeps_the_master_mode_is_still_refused_after_bucketing():
     opt, w, a, b = _optimizer(master_weights=False)
     a.data = a.data.bfloat16()
     a.grad = torch.ones_like(a)
-    snap = optimizer_snapshot(opt)
+    snap = snapshot(opt)
     with pytest.raises(TypeError, match=r"'a' is torch.bfloat16 but was torch.float32 when the optimizer bucketed it"):
         opt.step()
-    assert_optimizer_unchanged(opt, snap)
+    assert_unchanged(opt, snap)
 
 
 # ---------------------------------------------------------------------------
@@ -343,11 +344,11 @@ def test_update_param_refuses_non_finite_values_unless_allowed(bad, dtype):
     opt, w, a, b = _optimizer(dtype)
     values = torch.randn(10, 4)
     values[3, 1] = bad
-    snap = optimizer_snapshot(opt)
+    snap = snapshot(opt)
     with pytest.raises(ValueError, match=r"update_param: the values for param group 1 \(adamw\), param 1 'b' hold "
                                          r"NaN or inf.*allow_nonfinite=True"):
         opt.update_param(b, values)
-    assert_optimizer_unchanged(opt, snap)
+    assert_unchanged(opt, snap)
     opt.update_param(b, values, allow_nonfinite=True)
     master = opt.get_full_parameter_master(b)
     assert torch.equal(master.isnan(), values.isnan()) and torch.equal(master.isinf(), values.isinf())

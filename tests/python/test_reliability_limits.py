@@ -27,7 +27,7 @@ def test_a_slot_numel_beyond_every_muon_element_stages_only_what_it_needs():
         q.grad = torch.ones(8, 8)
         o.step()
     assert torch.equal(p, ref)
-    assert opt._offload.slots[0].buffer.numel() < 4 * 64  # sized for the 64 elements there are
+    assert opt._runner.slots[0].buffer.numel() < 4 * 64  # sized for the 64 elements there are
 
 
 @pytest.mark.parametrize("config", [dict(buffer_count=2**40, slot_numel=64), dict(buffer_count=2**30)])

@@ -1,61 +1,207 @@
-"""The Muon group setting row_blocks: each param's contiguous row blocks are
-orthogonalized as separate matrices, each with its own lr scale, bit-equal
-to an optimizer whose params are the blocks themselves; bad settings are
+"""The Muon group setting row_blocks (muon_ext.row_blocks): each param's row
+blocks, contiguous or by row index (an interleaved fused QKV), are
+orthogonalized as separate matrices, each with its own lr scale, bit-equal to
+an optimizer whose params are the blocks themselves: in the resident runner
+and the staged (offload) runner, for FP32 params, BF16 params with int16
+remainders and with FP32 masters, with and without NorMuon (per-block
+statistics), through a checkpoint; on DTensor params split by rows or
+columns or replicated over 2 gloo processes (NorMuon statistics replicated),
+bit-equal to one process. Bad settings are
 refused before any write."""
 
 import pytest
 import torch
 
-from muon_ext import MuonAdamW
+from muon_ext import MuonAdamW, row_blocks
+from support.dist_helpers import spawn
 
-BLOCKS = (16, 8, 8)
+ROWS, COLS = 32, 12
+SIZES = (16, 8, 4, 4)  # factors sqrt(16/12) and 1; NorMuon statistics [16, 1], [8, 1] and [1, 12]
+INDEX_BLOCKS = [list(range(0, 32, 2)), [1, 5, 9, 13, 17, 21, 25, 29], [3, 7, 11, 15], [19, 23, 27, 31]]
+QKV = row_blocks.interleaved(4, (4, 2, 2))  # 4 query groups of 4 q, 2 k and 2 v rows
+SETTINGS = dict(kind="muon", lr=0.02, weight_decay=0.1, lr_scale="original")
 
 
-def _run(row_blocks, dtype, steps=3):
-    torch.manual_seed(0)
-    whole = torch.randn(32, 24).to(dtype)
-    grads = [torch.randn(32, 24) for _ in range(steps)]
-    settings = dict(kind="muon", lr=0.02, weight_decay=0.1, beta2=None, lr_scale="original")
-    if row_blocks:
-        p = torch.nn.Parameter(whole.clone())
-        opt = MuonAdamW([dict(params=[p], row_blocks=row_blocks, **settings)])
-        for g in grads:
-            p.grad = g.to(dtype)
-            opt.step()
-        return p.detach(), opt.get_full_parameter_master(p)
-    parts = [torch.nn.Parameter(t.clone()) for t in whole.split(BLOCKS)]
-    opt = MuonAdamW([dict(params=parts, **settings)])
-    for g in grads:
-        for part, gpart in zip(parts, g.split(BLOCKS)):
-            part.grad = gpart.to(dtype)
+def _index_lists(spec):
+    """The row indices of each block of `spec` (sizes or index blocks)."""
+    if isinstance(spec[0], int):
+        starts = [sum(spec[:k]) for k in range(len(spec))]
+        return [list(range(s, s + n)) for s, n in zip(starts, spec)]
+    return spec
+
+
+def _grads(steps):
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randn(ROWS, COLS, generator=gen) for _ in range(steps)]
+
+
+def _whole():
+    return torch.randn(ROWS, COLS, generator=torch.Generator().manual_seed(0))
+
+
+def _run(spec, dtype, beta2, options, steps=3, split=False, checkpoint_at=None, scales=None):
+    """(param, FP32 master) after `steps` steps: one param with row_blocks=`spec`
+    (and row_block_scales=`scales`), or (`split`) the blocks as separate params
+    (each in a group with lr * scale and weight_decay / scale), reassembled."""
+    settings = dict(SETTINGS, beta2=beta2)
+    index = [torch.tensor(rows) for rows in _index_lists(spec)]
+    if split:
+        params = [torch.nn.Parameter(_whole()[rows].to(dtype)) for rows in index]
+        groups = [dict(params=params, **settings)] if scales is None else [
+            dict(settings, params=[p], lr=settings["lr"] * s, weight_decay=settings["weight_decay"] / s)
+            for p, s in zip(params, scales)]
+    else:
+        params = [torch.nn.Parameter(_whole().to(dtype))]
+        groups = [dict(params=params, row_blocks=spec, row_block_scales=scales, **settings)]
+    opt = MuonAdamW(groups, **options)
+    for step, g in enumerate(_grads(steps)):
+        if checkpoint_at == step:
+            saved = opt.state_dict()
+            opt = MuonAdamW(groups, **options)
+            opt.load_state_dict(saved)
+        if split:
+            for p, rows in zip(params, index):
+                p.grad = g[rows].to(dtype)
+        else:
+            params[0].grad = g.to(dtype)
         opt.step()
-    return torch.cat([q.detach() for q in parts]), torch.cat([opt.get_full_parameter_master(q) for q in parts])
+    masters = [opt.get_full_parameter_master(p) for p in params]
+    if not split:
+        return params[0].detach(), masters[0]
+    param, master = torch.empty(ROWS, COLS, dtype=dtype), torch.empty(ROWS, COLS)
+    for p, m, rows in zip(params, masters, index):
+        param[rows], master[rows] = p.detach(), m
+    return param, master
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_row_blocks_equal_the_blocks_as_separate_params(dtype):
-    param, master = _run(BLOCKS, dtype)
-    ref_param, ref_master = _run(None, dtype)
+RUNNERS = {
+    "fp32": (torch.float32, {}),
+    "bf16_remainder": (torch.bfloat16, {}),
+    "bf16_fp32_master": (torch.bfloat16, dict(store_param_remainders=False)),
+    "offload_bf16": (torch.bfloat16, dict(offload="cpu")),
+}
+
+
+@pytest.mark.parametrize("runner", list(RUNNERS))
+@pytest.mark.parametrize("spec", [SIZES, INDEX_BLOCKS, QKV], ids=["sizes", "index", "qkv"])
+@pytest.mark.parametrize("beta2", [None, 0.95], ids=["muon", "normuon"])
+def test_row_blocks_equal_the_blocks_as_separate_params(runner, spec, beta2):
+    dtype, options = RUNNERS[runner]
+    param, master = _run(spec, dtype, beta2, options)
+    ref_param, ref_master = _run(spec, dtype, beta2, options, split=True)
     assert torch.equal(param, ref_param) and torch.equal(master, ref_master)
-    whole_param, _ = _run((32,), dtype)  # one block: the plain step, and not the split one
-    assert not torch.equal(whole_param, param)
 
 
-@pytest.mark.parametrize("blocks, beta2, match", [
-    ((16, 8), None, "sum to 24 rows"),
-    ((16, 0, 16), None, "positive ints"),
-    ((), None, "non-empty"),
-    (BLOCKS, 0.95, "NorMuon"),
+SCALES = (2.0, 1.0, 0.5, 0.75)
+
+
+@pytest.mark.parametrize("runner", ["bf16_remainder", "offload_bf16"])
+def test_row_block_scales_scale_each_blocks_update_and_keep_its_decay(runner):
+    dtype, options = RUNNERS[runner]
+    got = _run(INDEX_BLOCKS, dtype, 0.95, options, scales=SCALES)
+    want = _run(INDEX_BLOCKS, dtype, 0.95, options, split=True, scales=SCALES)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert not torch.equal(got[1], _run(INDEX_BLOCKS, dtype, 0.95, options)[1])
+
+
+def test_one_block_is_the_plain_step_and_blocks_change_it():
+    whole_param, whole_master = _run((ROWS,), torch.bfloat16, 0.95, {})
+    plain = torch.nn.Parameter(_whole().to(torch.bfloat16))
+    opt = MuonAdamW([dict(params=[plain], beta2=0.95, **SETTINGS)])
+    for g in _grads(3):
+        plain.grad = g.to(torch.bfloat16)
+        opt.step()
+    assert torch.equal(whole_param, plain.detach())
+    assert torch.equal(whole_master, opt.get_full_parameter_master(plain))
+    assert not torch.equal(_run(SIZES, torch.bfloat16, 0.95, {})[0], whole_param)
+
+
+@pytest.mark.parametrize("spec", [SIZES, QKV], ids=["sizes", "qkv"])
+def test_normuon_block_statistics_survive_a_checkpoint(spec):
+    resumed = _run(spec, torch.bfloat16, 0.95, {}, checkpoint_at=2)
+    straight = _run(spec, torch.bfloat16, 0.95, {})
+    assert torch.equal(resumed[0], straight[0]) and torch.equal(resumed[1], straight[1])
+    p = torch.nn.Parameter(_whole())
+    opt = MuonAdamW([dict(params=[p], row_blocks=spec, beta2=0.95, **SETTINGS)])
+    assert tuple(opt.state[p]["second_momentum_buffer"].shape) == (
+        row_blocks.stats_numel(row_blocks.parse(spec, ROWS), COLS), 1)
+
+
+def test_flattened_params_are_cut_by_their_matrix_rows():
+    """matrix_view="flatten": blocks of the [rows, prod(rest)] matrix, equal to the 2-D param's."""
+    flat = torch.nn.Parameter(_whole().view(ROWS, 3, 4).clone())
+    two_d = torch.nn.Parameter(_whole())
+    opt = MuonAdamW([dict(params=[flat], row_blocks=QKV, matrix_view="flatten", beta2=None, **SETTINGS),
+                     dict(params=[two_d], row_blocks=QKV, beta2=None, **SETTINGS)])
+    for g in _grads(2):
+        flat.grad, two_d.grad = g.view(ROWS, 3, 4).clone(), g
+        opt.step()
+    assert torch.equal(flat.detach().view(ROWS, COLS), two_d.detach())
+
+
+def test_interleaved_builds_megatrons_qkv_layout():
+    assert row_blocks.interleaved(2, (2, 1, 1)) == [[0, 1, 4, 5], [2, 6], [3, 7]]
+    with pytest.raises(ValueError, match="part_sizes"):
+        row_blocks.interleaved(2, (2, 0))
+
+
+@pytest.mark.parametrize("keys, view, match", [
+    (dict(row_blocks=(16, 8)), "error", "sum to 24 rows"),
+    (dict(row_blocks=(16, 0, 16)), "error", "positive ints"),
+    (dict(row_blocks=()), "error", "non-empty"),
+    (dict(row_blocks=[[0, 1], [1, 2]]), "error", "exactly once"),
+    (dict(row_blocks=[[0, 1], []]), "error", "non-empty list"),
+    (dict(row_blocks=(32,)), "batch", "batch of matrices"),
+    (dict(row_blocks=(16, 16), row_block_scales=(1.0,)), "error", "row_block_scales must be"),
+    (dict(row_blocks=(16, 16), row_block_scales=(1.0, -1.0)), "error", "row_block_scales must be"),
+    (dict(row_block_scales=(1.0,)), "error", "without row_blocks"),
 ])
-def test_bad_row_blocks_are_refused(blocks, beta2, match):
-    p = torch.nn.Parameter(torch.randn(32, 24))
+def test_bad_row_blocks_are_refused(keys, view, match):
+    shape = (32, 24) if view == "error" else (2, 32, 24)
+    p = torch.nn.Parameter(torch.randn(shape))
     with pytest.raises(ValueError, match=match):
-        MuonAdamW([dict(params=[p], kind="muon", row_blocks=blocks, beta2=beta2)])
-    opt = MuonAdamW([dict(params=[p], kind="muon", beta2=None)])
-    opt.param_groups[0]["row_blocks"] = blocks
-    opt.param_groups[0]["beta2"] = beta2
-    p.grad = torch.randn(32, 24)
+        MuonAdamW([dict(params=[p], kind="muon", matrix_view=view, **keys)])
+    opt = MuonAdamW([dict(params=[p], kind="muon", matrix_view=view, beta2=None)])
+    opt.param_groups[0].update(keys)
+    p.grad = torch.randn(shape)
     before = p.detach().clone()
     with pytest.raises(ValueError, match=match):
         opt.step()
     assert torch.equal(p, before)
+
+
+def test_changed_blocks_with_normuon_statistics_are_refused_before_writing():
+    p = torch.nn.Parameter(_whole())
+    opt = MuonAdamW([dict(params=[p], row_blocks=SIZES, beta2=0.95, **SETTINGS)])
+    p.grad = _grads(1)[0]
+    opt.step()
+    opt.param_groups[0]["row_blocks"] = (16, 16)  # other blocks, other statistics
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match="second_momentum_buffer"):
+        opt.step()
+    assert torch.equal(p, before)
+
+
+# -- DTensor params (2 gloo processes) ------------------------------------------------------------------------------
+
+def _dtensor_cases(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (world,))
+    for placement in (Shard(0), Shard(1), Replicate()):
+        for spec, scales, beta2 in ((SIZES, None, None), (QKV, None, 0.95), (INDEX_BLOCKS, SCALES, 0.95)):
+            ref_param, ref_master = _run(spec, torch.bfloat16, beta2, {}, scales=scales)
+            full = _whole().to(torch.bfloat16)
+            p = torch.nn.Parameter(distribute_tensor(full, mesh, [placement], src_data_rank=None))
+            opt = MuonAdamW([dict(params=[p], row_blocks=spec, row_block_scales=scales, beta2=beta2, **SETTINGS)])
+            for g in _grads(3):
+                p.grad = distribute_tensor(g.to(torch.bfloat16), mesh, [placement], src_data_rank=None)
+                opt.step()
+            what = f"{placement} {spec} beta2={beta2}"
+            assert torch.equal(p.full_tensor(), ref_param), what
+            assert torch.equal(opt.gather_full_parameter_master(p), ref_master), what
+
+
+def test_dtensor_row_blocks_equal_one_process(tmp_path):
+    spawn(tmp_path, 2, _dtensor_cases, timeout_s=180)

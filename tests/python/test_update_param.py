@@ -4,7 +4,8 @@ and update_param's validation (nothing changes when it refuses)."""
 import pytest
 import torch
 
-from support.helpers import assert_bit_equal, assert_optimizer_unchanged, optimizer_snapshot
+from support.helpers import assert_bit_equal
+from support.optimizer_snapshot import assert_unchanged, snapshot
 from muon_ext import MuonAdamW, ops
 
 # name: (param dtype, optimizer kwargs)
@@ -59,7 +60,7 @@ def test_update_param_writes_param_and_master_and_keeps_history(mode, index):
     p = params[index]
     values = _new_values(p.shape)
     expected_values = values.clone()
-    snap = optimizer_snapshot(opt)
+    snap = snapshot(opt)
     opt.update_param(p, values)
     state = opt.state[p]
     if mode == "bf16_remainder":
@@ -77,7 +78,7 @@ def test_update_param_writes_param_and_master_and_keeps_history(mode, index):
     assert_bit_equal(opt.get_full_parameter_master(p), master, "full master")
     assert_bit_equal(values, expected_values, "values were modified")
     group, pos = (0, index) if index < 2 else (1, index - 2)
-    assert_optimizer_unchanged(opt, snap, skip={f"group {group} param {pos}", f"group {group} param {pos} master_param"})
+    assert_unchanged(opt, snap, skip={f"group {group} param {pos}", f"group {group} param {pos} master_param"})
     assert float(opt.state[params[2]]["step"]) == 2.0
 
     # The next step starts from the new master.
@@ -107,9 +108,9 @@ def test_get_full_parameter_master_returns_a_new_fp32_tensor(mode):
             assert_bit_equal(master, p.detach().float(), "master")
         storages = {t.untyped_storage().data_ptr() for t in [p] + list(opt.state[p].values())}
         assert master.untyped_storage().data_ptr() not in storages
-        snap = optimizer_snapshot(opt)
+        snap = snapshot(opt)
         master.add_(1.0)
-        assert_optimizer_unchanged(opt, snap)
+        assert_unchanged(opt, snap)
 
 
 def _foreign_param(shape):
@@ -149,10 +150,10 @@ def test_update_param_refuses_bad_calls_without_changing_anything(mode, case):
     params, opt = _trained(mode)
     p = params[0]
     target, values = select(p), make_values(p)
-    snap = optimizer_snapshot(opt)
+    snap = snapshot(opt)
     with pytest.raises(exc_type, match=fragment):
         opt.update_param(target, values)
-    assert_optimizer_unchanged(opt, snap)
+    assert_unchanged(opt, snap)
 
 
 @pytest.mark.parametrize("case", ["param_data", "param_view", "other_optimizers_param", "plain_tensor"])

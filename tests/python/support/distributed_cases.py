@@ -459,7 +459,7 @@ def fsdp2_matches_unsharded(rank, world, mesh_shape, *_, steps=3):
 
 
 # ---------------------------------------------------------------------------
-# NCCL on GPUs (test_distributed_cuda.py)
+# NCCL on GPUs (test_distributed.py, marked gpu)
 # ---------------------------------------------------------------------------
 
 

@@ -127,16 +127,3 @@ def assert_same_optimizer_tensors(opt_a, opt_b):
     assert a.keys() == b.keys()
     for key in a:
         assert_bit_equal(a[key].cpu(), b[key].cpu(), key)
-
-
-def optimizer_snapshot(opt):
-    return {k: bits(v).clone() for k, v in optimizer_tensors(opt).items()}
-
-
-def assert_optimizer_unchanged(opt, snap, skip=()):
-    """Every tensor of `opt` bit-identical to `snap` (but those named in `skip`)."""
-    now = optimizer_tensors(opt)
-    assert now.keys() == snap.keys()
-    for key, t in now.items():
-        if key not in skip:
-            assert torch.equal(bits(t), snap[key]), f"{key} changed"

@@ -39,13 +39,14 @@ def optimizer_config(**overrides):
     return OptimizerConfig(**settings)
 
 
-def build(tp: int, model_kwargs=None, **overrides):
+def build(tp: int, model_kwargs=None, beta2=None, **overrides):
+    """A tiny GPT at TP=`tp` and its muon_ext optimizer (`beta2`: NorMuon)."""
     from muon_ext.megatron import get_megatron_muon_optimizer
 
     init_parallel(tp)
     model = tiny_gpt(fp16=overrides.get("fp16", False), dtype=torch.float16 if overrides.get("fp16") else
                      torch.bfloat16, **(model_kwargs or {}))
-    return model, get_megatron_muon_optimizer(optimizer_config(**overrides), [model])
+    return model, get_megatron_muon_optimizer(optimizer_config(**overrides), [model], beta2=beta2)
 
 
 def train(model, opt, steps: int, first: int = 0):
@@ -394,6 +395,37 @@ def _load(model, opt, path: str) -> None:
                                      path)
     model.module.load_state_dict(loaded["model"])
     opt.load_state_dict(loaded["optimizer"])
+
+
+def normuon_tp_modes_split_qkv_and_resume(path: str) -> None:
+    """NorMuon (beta2=0.95) with muon_split_qkv (statistics per Q, K and V
+    matrix) on replayed TP=1 grads: TP=2 "duplicated" gives TP=1's masters bit
+    for bit, "distributed" (Gram all_reduces, statistics over the whole
+    matrices) within DISTRIBUTED_ATOL; a dist_checkpointing save at TP=2
+    ("distributed") resumed at TP=1 continues as TP=1 never stopping, within
+    DISTRIBUTED_ATOL (exactly the saved state: the first two steps' error only)."""
+    shape = dict(model_kwargs=dict(query_groups=2), clip_grad=0.0, muon_fp32_matmul_prec="highest",
+                 muon_split_qkv=True, beta2=0.95)
+    grads, want = record_tp1(4, **shape)
+    model, opt = build(2, muon_tp_mode="duplicated", **shape)
+    assert any("second_momentum_buffer" in s for s in opt.optimizer.state.values())
+    compare(replay(model, opt, grads), want, "NorMuon split QKV, duplicated", 0.0)
+    model, opt = build(2, muon_tp_mode="distributed", **shape)
+    got = replay(model, opt, grads[:2])
+    worst = compare(got, want[:2], "NorMuon split QKV, distributed", DISTRIBUTED_ATOL)
+    where = f"{path}/normuon_tp2_to_tp1"
+    _save(model, opt, where)
+    resumed_model, resumed = build(1, muon_tp_mode="distributed", **shape)
+    _load(resumed_model, resumed, where)
+    stats = [s["second_momentum_buffer"] for s in resumed.optimizer.state.values() if "second_momentum_buffer" in s]
+    muon_params = sum(mp.kind == "muon" for mp in resumed._params.values())
+    assert len(stats) == muon_params > 0 and all(bool((t > 0).all()) for t in stats), \
+        "NorMuon statistics were not restored"
+    worst = max(worst, compare(replay(resumed_model, resumed, grads[2:]), want[2:],
+                               "NorMuon resumed TP=2 -> TP=1", DISTRIBUTED_ATOL))
+    if dist.get_rank() == 0:
+        print(f"MEGATRON NorMuon split QKV distributed (and resumed at TP=1): max |master difference| to TP=1 "
+              f"{worst:.3g}", flush=True)
 
 
 def dist_checkpoint_across_tp(path: str) -> None:

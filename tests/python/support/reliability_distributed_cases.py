@@ -15,6 +15,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from support.distributed_cases import dtensor
 from muon_ext import MuonAdamW
+from muon_ext import state as state_module
 from muon_ext.writers import ParamWriterError
 from support.optimizer_snapshot import snapshot
 
@@ -52,7 +53,10 @@ def zero_size_dtensor_params_are_skipped(rank, world, mesh):
         assert torch.equal(w.full_tensor(), ref_w.detach()), placements
 
 
-def writer_failing_on_one_rank_completes_the_step_everywhere(rank, world, mesh):
+def writer_failing_on_one_rank_raises_on_every_rank(rank, world, mesh):
+    """The step (and a load) completes on every rank, then every rank raises ParamWriterError naming the
+    failing rank and param; the failing writer is retried at the next step. Only ranks whose mesh has a
+    writer somewhere pay the report's collective."""
     def build():
         w = torch.nn.Parameter(dtensor(_values((8, 6), 1), mesh, [Shard(0)]))
         plain = torch.nn.Parameter(_values((4, 4), 2).bfloat16())
@@ -60,31 +64,63 @@ def writer_failing_on_one_rank_completes_the_step_everywhere(rank, world, mesh):
 
     w, plain, opt = build()
     rw, rplain, ref = build()
-    seen = []
+    seen, fail = [], {"step": rank == 0}
 
     def writer(param, master, stream, found_inf):
-        if rank == 0 and not seen:
-            seen.append("failed")
-            raise RuntimeError("inference engine on rank 0 is gone")
+        if fail["step"]:
+            fail["step"] = False
+            raise RuntimeError(f"inference engine on rank {rank} is gone")
         seen.append(master.clone())
 
-    opt.register_param_writer(plain, writer)
-    ref.register_param_writer(rplain, lambda *a: None)
-    for k in range(2):
+    shared = []
+    original = state_module.share_failures
+
+    def counting(meshes, failures):
+        shared.append(len(meshes))
+        return original(meshes, failures)
+
+    state_module.share_failures = counting
+    try:
         for o, ww, pp in ((opt, w, plain), (ref, rw, rplain)):
-            ww.grad = dtensor(_values((8, 6), 20 + k), mesh, [Shard(0)])
-            pp.grad = _values((4, 4), 30 + k).bfloat16()
-        if k == 0 and rank == 0:
-            with pytest.raises(ParamWriterError, match="inference engine on rank 0 is gone"):
-                opt.step()
-        else:
-            opt.step()
+            ww.grad = dtensor(_values((8, 6), 19), mesh, [Shard(0)])
+            pp.grad = _values((4, 4), 29).bfloat16()
+        opt.step()  # no writer on any rank: no report collective
         ref.step()
-        # Every rank stepped everything: the same state as a run whose writer works.
-        assert torch.equal(w.to_local(), rw.to_local())
-        assert torch.equal(opt.state[w]["momentum_buffer"].to_local(), ref.state[rw]["momentum_buffer"].to_local())
+        assert shared == []
+        if rank == 1:  # a writer on one rank is enough for every rank to share the report
+            opt.register_param_writer(plain, writer)
+        ref.register_param_writer(rplain, lambda *a: None)
+        for k in range(2):
+            for o, ww, pp in ((opt, w, plain), (ref, rw, rplain)):
+                ww.grad = dtensor(_values((8, 6), 20 + k), mesh, [Shard(0)])
+                pp.grad = _values((4, 4), 30 + k).bfloat16()
+            fail["step"] = k == 0 and rank == 1
+            if k == 0:
+                with pytest.raises(ParamWriterError, match=r"step: completed on every rank .* failed on rank\(s\) "
+                                   r"\[1\].*rank 1: param group 0 \(muon\), param 0: RuntimeError: inference "
+                                   r"engine on rank 1 is gone") as info:
+                    opt.step()
+                assert info.value.ranks == [1]
+                assert [name for name, _ in info.value.failures] == ["rank 1: param group 0 (muon), param 0"]
+            else:
+                opt.step()  # rank 1's writer is retried and succeeds: no error anywhere
+            ref.step()
+            assert shared == [1] * 2 * (k + 1)  # opt and ref: one mesh each
+            # Every rank stepped everything: the same state as a run whose writer works.
+            assert torch.equal(w.to_local(), rw.to_local())
+            assert torch.equal(opt.state[w]["momentum_buffer"].to_local(),
+                               ref.state[rw]["momentum_buffer"].to_local())
+            assert torch.equal(opt.get_full_parameter_master(plain), ref.get_full_parameter_master(rplain))
+        if rank == 1:
+            assert torch.equal(seen[-1], ref.get_full_parameter_master(rplain))  # rank 1's writer caught up
+        # A writer failing on rank 1 inside load_state_dict: the load completes, every rank raises.
+        sd = copy.deepcopy(opt.state_dict())
+        fail["step"] = rank == 1
+        with pytest.raises(ParamWriterError, match=r"load_state_dict: completed on every rank .*rank\(s\) \[1\]"):
+            opt.load_state_dict(sd)
         assert torch.equal(opt.get_full_parameter_master(plain), ref.get_full_parameter_master(rplain))
-    assert torch.equal(seen[-1], ref.get_full_parameter_master(rplain))  # rank 0's writer caught up
+    finally:
+        state_module.share_failures = original
 
 
 def differing_settings_are_refused_at_construction(rank, world, mesh):
@@ -154,7 +190,7 @@ def load_and_add_param_group_refuse_on_every_rank(rank, world, mesh):
     assert len(opt.param_groups) == 3
 
 
-CASES = [zero_size_dtensor_params_are_skipped, writer_failing_on_one_rank_completes_the_step_everywhere,
+CASES = [zero_size_dtensor_params_are_skipped, writer_failing_on_one_rank_raises_on_every_rank,
          differing_settings_are_refused_at_construction, step_refuses_divergent_settings_and_one_sided_grad_scaler,
          load_and_add_param_group_refuse_on_every_rank]
 

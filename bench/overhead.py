@@ -1,0 +1,88 @@
+"""Step overhead: what a MuonAdamW step costs outside the kernels.
+
+1000 tiny params (500 Muon 4x4 with ns_steps=0, 500 AdamW of 4 elements), one
+thread, FP32 params; and a small GPT's parameters (d=128, L=2) for a step
+where kernels matter. Reported per step: process CPU time (robust on a shared
+host at one thread: time spent descheduled is not counted) and wall time,
+median and best over `--steps` steps.
+
+To compare two trees (issue #20's before/after), run this file from each with
+PYTHONPATH pointing at the tree, alternating, several times:
+
+    for i in 1 2 3; do for t in /tmp/before .; do PYTHONPATH=$t python bench/overhead.py --label $t; done; done
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+
+def tiny_params(n: int = 500):
+    g = torch.Generator().manual_seed(0)
+    muon = [torch.nn.Parameter(torch.randn(4, 4, generator=g)) for _ in range(n)]
+    adamw = [torch.nn.Parameter(torch.randn(4, generator=g)) for _ in range(n)]
+    for p in muon + adamw:
+        p.grad = torch.randn(p.shape, generator=g)
+    return [{"params": muon, "kind": "muon", "ns_steps": 0, "lr": 1e-3},
+            {"params": adamw, "kind": "adamw", "lr": 1e-3}]
+
+
+def gpt_params(d: int = 128, layers: int = 2, vocab: int = 2048):
+    g = torch.Generator().manual_seed(0)
+    hidden, other = [], [(vocab, d), (d,)]
+    for _ in range(layers):
+        hidden += [(3 * d, d), (d, d), (4 * d, d), (d, 4 * d)]
+        other += [(d,)] * 4
+    make = lambda shapes: [torch.nn.Parameter(torch.randn(s, generator=g).bfloat16()) for s in shapes]
+    muon, adamw = make(hidden), make(other)
+    for p in muon + adamw:
+        p.grad = torch.randn(p.shape, generator=g).bfloat16()
+    return [{"params": muon, "kind": "muon", "lr": 1e-3}, {"params": adamw, "kind": "adamw", "lr": 1e-3}]
+
+
+def measure(groups, steps: int) -> dict:
+    from muon_ext import MuonAdamW
+    opt = MuonAdamW(groups)
+    for _ in range(5):
+        opt.step()
+    cpu, wall = [], []
+    for _ in range(steps):
+        c0, w0 = time.process_time(), time.perf_counter()
+        opt.step()
+        cpu.append(time.process_time() - c0)
+        wall.append(time.perf_counter() - w0)
+    ms = lambda xs: {"median": 1e3 * statistics.median(xs), "best": 1e3 * min(xs)}
+    return {"cpu_ms": ms(cpu), "wall_ms": ms(wall)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--gpt-steps", type=int, default=20)
+    parser.add_argument("--label", default="")
+    parser.add_argument("--tiny-only", action="store_true",
+                        help="only the tiny-params case, --steps steps after 5 warm-up steps, no timing output "
+                             "(for instruction counts: run under valgrind --tool=callgrind at two --steps and "
+                             "divide the difference of the totals by the difference of the steps)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    import muon_ext
+    if args.tiny_only:
+        from muon_ext import MuonAdamW
+        opt = MuonAdamW(tiny_params())
+        for _ in range(5 + args.steps):
+            opt.step()
+        return
+    result = {"label": args.label, "muon_ext": muon_ext.__file__,
+              "tiny_1000": measure(tiny_params(), args.steps),
+              "gpt_d128_L2_bf16": measure(gpt_params(), args.gpt_steps)}
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
