@@ -12,11 +12,18 @@ fraction of the measured FP32 GEMM rate on the same plain-GEMM FLOP count.
 Where ops.cpu_bf16_gemm() is "rounded" (no BF16 GEMM in the CPU), the
 "bfloat16" path runs FP32 GEMMs on BF16-rounded operands, so FP32 is its limit.
 
+`--methods` (stacks "gram"): Gram Newton-Schulz against the standard
+iteration, interleaved the same way per shape and polar_dtype
+("float32" and "bfloat16", i.e. "rounded" on a CPU without a BF16 GEMM):
+median and min..max seconds of each, and `gram_speedup` = standard / gram
+median (>1: Gram is faster); the figures behind polar_method="auto"'s rule.
+
 Small-matrix stacks (many tiny matrices in one batch-view param) report a full
 muon_step (BF16 params + remainders, NorMuon) in microseconds per matrix and
 against `state_copy`: one copy_ of every state tensor the step reads or writes.
 
-Usage: python bench/polar_rate.py [--threads 1,2] [--rounds 5] [--stacks gpt,4x1024x4096,small]
+Usage: python bench/polar_rate.py [--threads 1,2] [--rounds 5] [--stacks gpt,4x1024x4096,small,gram]
+       [--gram-shapes 1024x4096,4096x1024,256x1024,1024x256,512x1024,128x1024,1024x1024]
        [--out bench/results/polar_rate.json]
 """
 
@@ -110,6 +117,32 @@ def polar_case(shapes: List[tuple], rounds: int, iters: int) -> dict:
                                   for k, v in times.items() if k != "gemm_probe"}}
 
 
+def gram_case(shape: tuple, rounds: int, iters: int) -> dict:
+    """Standard vs Gram Newton-Schulz on one matrix, per polar_dtype, interleaved."""
+    rows, cols = shape
+    updates = torch.randn(1, rows, cols, generator=torch.Generator().manual_seed(0))
+    work = updates.clone()
+
+    def run(polar_dtype, polar_method):
+        def fn():
+            work.copy_(updates)
+            ops.muon_orthogonalize([work], beta2=None, polar_dtype=polar_dtype, polar_method=polar_method)
+        return fn
+
+    contenders = {f"{m}_{d}": run(d, m) for d in ("float32", "bfloat16") for m in ("standard", "gram")}
+    times = interleaved(contenders, rounds, iters)
+    return {"shape": [rows, cols], "seconds": times,
+            "gram_speedup": {d: times[f"standard_{d}"]["wall_median"] / times[f"gram_{d}"]["wall_median"]
+                             for d in ("float32", "bfloat16")},
+            "gram_speedup_cpu_time": {d: times[f"standard_{d}"]["cpu_median"] / times[f"gram_{d}"]["cpu_median"]
+                                      for d in ("float32", "bfloat16")}}
+
+
+def load_average() -> str:
+    """`uptime`'s load averages (1, 5, 15 min): the host is shared; every figure states it."""
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3]) if Path("/proc/loadavg").exists() else "unknown"
+
+
 def small_case(shape: tuple, rounds: int, iters: int) -> dict:
     count, rows, cols = shape
     gen = torch.Generator().manual_seed(0)
@@ -145,12 +178,27 @@ def main():
     parser.add_argument("--threads", default="1,2")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--stacks", default="gpt,4x1024x4096,small")
+    parser.add_argument("--gram-shapes", default="1024x4096,4096x1024,256x1024,1024x256,512x1024,128x1024,1024x1024")
     parser.add_argument("--out", default="bench/results/polar_rate.json")
     args = parser.parse_args()
     wanted = set(args.stacks.split(","))
-    results = {"benchmark": "polar_rate", "environment": environment(torch.device("cpu")), "cases": []}
+    results = {"benchmark": "polar_rate", "environment": environment(torch.device("cpu")),
+               "cpu_bf16_gemm": ops.cpu_bf16_gemm(), "cases": []}
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
+        if "gram" in wanted:
+            for spec in args.gram_shapes.split(","):
+                shape = tuple(int(v) for v in spec.split("x"))
+                load_before = load_average()
+                case = {"stack": f"gram_{spec}", "threads": threads, **gram_case(shape, args.rounds, 1),
+                        "load_before": load_before, "load_after": load_average()}
+                results["cases"].append(case)
+                spread = {k: f"{v['wall_median']:.4f} [{v['wall_min']:.4f}..{v['wall_max']:.4f}]"
+                          for k, v in case["seconds"].items()}
+                print(f"{threads} thr gram {spec}: speedup {case['gram_speedup']} cpu-time "
+                      f"{case['gram_speedup_cpu_time']} seconds {spread} load {load_before} -> {case['load_after']}",
+                      flush=True)
+                save(args.out, results)
         for name, shapes in polar_stacks().items():
             if ("gpt" in wanted and name.startswith("gpt")) or name in wanted:
                 iters = 1 if shapes[0][0] * shapes[0][1] >= 1 << 22 else 3

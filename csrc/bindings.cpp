@@ -19,6 +19,7 @@
 #include "checks.h"
 #include "ops.h"
 #include "common/muon_math.h"
+#include "common/polar_plan.h"
 #include "common/schema.h"
 #include "cpu/adamw_cpu.h"
 #include "cpu/muon_cpu.h"
@@ -376,11 +377,11 @@ void muon_step_eager(const Tensors& params, const Tensors& grads, const Tensors&
                      double weight_decay, int64_t ns_steps, const std::vector<double>& ns_coefficients,
                      const std::string& lr_scale, const OptionalTensor& inv_scale, const OptionalTensor& found_inf,
                      int64_t max_workspace_bytes, std::optional<int64_t> polar_row_blocks,
-                     const std::string& polar_dtype) {
+                     const std::string& polar_dtype, const std::string& polar_method) {
   RECORD_FUNCTION("muon_ext::muon_step", std::vector<c10::IValue>());
   op::muon_step(params, grads, momentum_buffers, second_momentum_buffers, masters, lr, lr_tensor, momentum, nesterov,
                 beta2, weight_decay, ns_steps, ns_coefficients, lr_scale, inv_scale, found_inf, max_workspace_bytes,
-                polar_row_blocks, polar_dtype);
+                polar_row_blocks, polar_dtype, polar_method);
 }
 
 }  // namespace
@@ -398,9 +399,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("momentum"), py::arg("nesterov"), py::arg("beta2"), py::arg("weight_decay"), py::arg("ns_steps"),
         py::arg("ns_coefficients"), py::arg("lr_scale"), py::arg("inv_scale"), py::arg("found_inf"),
         py::arg("max_workspace_bytes"), py::arg("polar_row_blocks"), py::arg("polar_dtype"),
-        "torch.ops.muon_ext.muon_step for plain eager tensors (see csrc/ops.h).");
+        py::arg("polar_method") = "standard", "torch.ops.muon_ext.muon_step for plain eager tensors (see csrc/ops.h).");
   m.def("polar_express_coefficients", &muon_ext::polar_express_coefficients,
         "The default Polar-Express (a, b, c) tuples, one per iteration.");
+  m.def(
+      "polar_method_for",
+      [](const std::string& method, int64_t rows, int64_t cols) {
+        TORCH_CHECK_VALUE(muon_ext::schema::find_mode("polar_method", method.c_str()) >= 0,
+                          "polar_method must be 'standard', 'gram' or 'auto', got '", method, "'");
+        const muon_ext::PolarMethod parsed = method == "gram"   ? muon_ext::PolarMethod::kGram
+                                             : method == "auto" ? muon_ext::PolarMethod::kAuto
+                                                                : muon_ext::PolarMethod::kStandard;
+        return muon_ext::polar_method_for(parsed, rows, cols) == muon_ext::PolarMethod::kGram ? "gram" : "standard";
+      },
+      py::arg("method"), py::arg("rows"), py::arg("cols"),
+      "The iteration ('standard' or 'gram') a rows x cols matrix runs under polar_method (csrc/common/polar_plan.h).");
   m.def("schema", &muon_ext::schema_table, "The hyper-parameter ranges and mode names (csrc/common/schema.h).");
   py::class_<muon_ext::checks::MemoryRanges>(m, "MemoryRanges",
                                              "Byte ranges of the params checked in one step (check_bucket).")

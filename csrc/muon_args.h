@@ -20,6 +20,7 @@
 
 #include "common/adamw_math.h"
 #include "common/muon_math.h"
+#include "common/polar_plan.h"
 
 namespace muon_ext {
 
@@ -58,6 +59,7 @@ struct MuonStepOptions {
   int64_t max_workspace_bytes = int64_t(1) << 30;  // scratch bound per chunk of matrices
   int64_t polar_row_blocks = 0;  // row blocks of the symmetric Polar-Express products; 0: the device's choice
   PolarDtype polar_dtype = PolarDtype::kBFloat16;
+  PolarMethod polar_method = PolarMethod::kStandard;  // resolved per shape by polar_method_for
 };
 
 // Phase 1.  grads[i] (FP32/BF16/FP16, one dtype), momentum_buffers[i] and
@@ -89,6 +91,7 @@ struct MuonOrthogonalizeArgs {
   int64_t max_workspace_bytes = int64_t(1) << 30;
   int64_t polar_row_blocks = 0;
   PolarDtype polar_dtype = PolarDtype::kBFloat16;
+  PolarMethod polar_method = PolarMethod::kStandard;
   c10::optional<at::Tensor> found_inf;
 
   int64_t matrix_numel() const { return rows * cols; }

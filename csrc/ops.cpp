@@ -196,6 +196,14 @@ PolarDtype parse_polar_dtype(const char* op, c10::string_view mode) {
   return value == "float16" ? PolarDtype::kFloat16 : PolarDtype::kBFloat16;
 }
 
+PolarMethod parse_polar_method(const char* op, c10::string_view mode) {
+  const std::string value(mode);
+  const int index = schema::find_mode("polar_method", value.c_str());
+  TORCH_CHECK_VALUE(index >= 0, op, ": polar_method must be 'standard', 'gram' or 'auto', got '", value, "'");
+  if (value == "gram") return PolarMethod::kGram;
+  return value == "auto" ? PolarMethod::kAuto : PolarMethod::kStandard;
+}
+
 // The first ns_steps (a, b, c) triples of a flat list of coefficients.
 std::vector<std::array<float, 3>> check_coefficients(const char* op, at::ArrayRef<double> flat, int64_t ns_steps) {
   checks::in_range(op, "muon", "ns_steps", static_cast<double>(ns_steps));
@@ -310,7 +318,7 @@ void muon_step(at::TensorList params, at::TensorList grads, at::TensorList momen
                double weight_decay, int64_t ns_steps, at::ArrayRef<double> ns_coefficients,
                c10::string_view lr_scale, const OptionalTensor& inv_scale, const OptionalTensor& found_inf,
                int64_t max_workspace_bytes, std::optional<int64_t> polar_row_blocks,
-               c10::string_view polar_dtype) {
+               c10::string_view polar_dtype, c10::string_view polar_method) {
   checks::in_range(kMuon, "muon", "lr", lr);
   checks::in_range(kMuon, "muon", "momentum", momentum);
   check_beta2(kMuon, beta2);
@@ -319,6 +327,7 @@ void muon_step(at::TensorList params, at::TensorList grads, at::TensorList momen
   MuonStepOptions options;
   options.polar_row_blocks = check_row_blocks(kMuon, polar_row_blocks);
   options.polar_dtype = parse_polar_dtype(kMuon, polar_dtype);
+  options.polar_method = parse_polar_method(kMuon, polar_method);
   const MuonLrScale scale_mode = parse_lr_scale(kMuon, lr_scale);
   options.coefficients = check_coefficients(kMuon, ns_coefficients, ns_steps);
   options.hyper.momentum = static_cast<float>(momentum);
@@ -415,12 +424,13 @@ void muon_momentum_op(at::TensorList grads, at::TensorList momentum_buffers, at:
 void muon_orthogonalize_op(at::TensorList updates, at::TensorList second_momentum_buffers, std::optional<double> beta2,
                         int64_t ns_steps, at::ArrayRef<double> ns_coefficients, int64_t max_workspace_bytes,
                         std::optional<int64_t> polar_row_blocks, c10::string_view polar_dtype,
-                        const OptionalTensor& found_inf) {
+                        c10::string_view polar_method, const OptionalTensor& found_inf) {
   check_beta2(kOrthogonalize, beta2);
   checks::in_range(kOrthogonalize, "optimizer", "max_workspace_bytes", static_cast<double>(max_workspace_bytes));
   MuonOrthogonalizeArgs args;
   args.polar_row_blocks = check_row_blocks(kOrthogonalize, polar_row_blocks);
   args.polar_dtype = parse_polar_dtype(kOrthogonalize, polar_dtype);
+  args.polar_method = parse_polar_method(kOrthogonalize, polar_method);
   args.coefficients = check_coefficients(kOrthogonalize, ns_coefficients, ns_steps);
   args.updates = to_vector(updates);
   args.second_momentum_buffers = to_vector(second_momentum_buffers);
@@ -562,14 +572,15 @@ TORCH_LIBRARY(muon_ext, m) {
       "muon_step(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, "
       "Tensor(c!)[] second_momentum_buffers, Tensor(d!)[] masters, *, float lr, Tensor? lr_tensor, float momentum, "
       "bool nesterov, float? beta2, float weight_decay, int ns_steps, float[] ns_coefficients, str lr_scale, "
-      "Tensor? inv_scale, Tensor? found_inf, int max_workspace_bytes, int? polar_row_blocks, str polar_dtype) -> ()");
+      "Tensor? inv_scale, Tensor? found_inf, int max_workspace_bytes, int? polar_row_blocks, str polar_dtype, "
+      "str polar_method=\"standard\") -> ()");
   m.def(
       "muon_momentum(Tensor[] grads, Tensor(a!)[] momentum_buffers, Tensor(b!)[] updates, *, float momentum, "
       "bool nesterov, Tensor? inv_scale, Tensor? found_inf) -> ()");
   m.def(
       "muon_orthogonalize(Tensor(a!)[] updates, Tensor(b!)[] second_momentum_buffers, *, float? beta2, "
       "int ns_steps, float[] ns_coefficients, int max_workspace_bytes, int? polar_row_blocks, str polar_dtype, "
-      "Tensor? found_inf) -> ()");
+      "str polar_method=\"standard\", Tensor? found_inf=None) -> ()");
   m.def(
       "muon_apply(Tensor(a!)[] params, Tensor[] updates, Tensor(b!)[] masters, *, float lr, Tensor? lr_tensor, "
       "float weight_decay, str lr_scale, int rows, int cols, Tensor? found_inf) -> ()");

@@ -25,7 +25,7 @@ void muon_step(at::TensorList params, at::TensorList grads, at::TensorList momen
                at::ArrayRef<double> ns_coefficients, c10::string_view lr_scale,
                const std::optional<at::Tensor>& inv_scale, const std::optional<at::Tensor>& found_inf,
                int64_t max_workspace_bytes, std::optional<int64_t> polar_row_blocks,
-               c10::string_view polar_dtype);
+               c10::string_view polar_dtype, c10::string_view polar_method);
 
 }  // namespace op
 }  // namespace muon_ext

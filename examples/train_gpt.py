@@ -169,6 +169,7 @@ def build_optimizers(model: nn.Module, args) -> List[torch.optim.Optimizer]:
     betas = (0.9, 0.95)
     if args.optimizer == "muon_ext":
         others["betas"] = betas
+        matrices["polar_method"] = args.polar_method
         grad_attr = "main_grad" if args.main_grad else "grad"
         return [muon_ext.MuonAdamW(groups, grad_attr=grad_attr)]
     if args.optimizer == "adamw":
@@ -442,6 +443,9 @@ def parse_args(argv: Optional[Iterable[str]] = None):
     opt.add_argument("--batch-size", type=int, default=32, help="sequences per micro-batch (default: %(default)s)")
     opt.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (default: %(default)s)")
     opt.add_argument("--muon-lr", type=float, default=0.01, help="Muon's lr (hidden matrices) (default: %(default)s)")
+    opt.add_argument("--polar-method", choices=("standard", "gram", "auto"), default="standard",
+                     help="muon_ext's orthogonalization: standard or Gram Newton-Schulz iterations, or auto "
+                          "(docs/polar_express.md) (default: %(default)s)")
     opt.add_argument("--adamw-lr", type=float, default=2e-3,
                      help="AdamW's lr: embeddings, head and norms; every param with --optimizer adamw "
                           "(default: %(default)s)")

@@ -41,10 +41,10 @@ def polar_factor(g: torch.Tensor) -> torch.Tensor:
     return (u[:, keep] @ vh[keep]).double()
 
 
-def kernel_output(g: torch.Tensor, polar_dtype: str) -> torch.Tensor:
+def kernel_output(g: torch.Tensor, polar_dtype: str, polar_method: str = "standard") -> torch.Tensor:
     """muon_orthogonalize of one FP32 matrix: input scale and Polar-Express."""
     x = g.float().clone()[None]
-    ops.muon_orthogonalize([x], beta2=None, polar_dtype=polar_dtype)
+    ops.muon_orthogonalize([x], beta2=None, polar_dtype=polar_dtype, polar_method=polar_method)
     return x[0].double()
 
 

@@ -21,6 +21,7 @@ LrScale = Literal["original", "match_rms_adamw", "none"]
 MatrixView = Literal["error", "flatten", "batch"]
 GradAttr = Literal["grad", "main_grad"]
 PolarDtype = Literal["bfloat16", "float32", "float16"]
+PolarMethod = Literal["standard", "gram", "auto"]
 
 
 @dataclass

@@ -27,6 +27,7 @@ __all__ = [
     "cpu_capabilities",
     "storage_problem",
     "cpu_bf16_gemm",
+    "polar_method_for",
     "POLAR_EXPRESS_COEFFICIENTS",
 ]
 
@@ -102,6 +103,7 @@ def muon_step(
     max_workspace_bytes: int = DEFAULT_MAX_WORKSPACE_BYTES,
     polar_row_blocks: Optional[int] = None,
     polar_dtype: str = "bfloat16",
+    polar_method: str = "standard",
 ) -> None:
     """One Muon step on a bucket of same-shape matrices, in place.
 
@@ -125,6 +127,10 @@ def muon_step(
     "float32" (FP32 GEMMs; on CUDA TF32 only where torch allows it for its own
     FP32 matmuls). Small matrices (min(rows, cols)^2 * max(rows, cols) <= 2^20)
     run on the CPU eight at a time without BLAS calls, where row blocks do not apply.
+    `polar_method`: "standard" iterations, "gram" (Gram Newton-Schulz: iterates
+    on the min(rows, cols)-square Gram matrix and multiplies the long side
+    twice in all; the same polynomial in exact arithmetic) or "auto" (Gram
+    where `polar_method_for` says it pays); docs/polar_express.md.
     `inv_scale` / `found_inf` behave as in `adamw_step`; on CUDA the call never
     syncs the host. Raises (TypeError / ValueError) before touching anything.
     """
@@ -139,7 +145,8 @@ def muon_step(
           weight_decay=float(weight_decay), ns_steps=int(ns_steps),
           ns_coefficients=_flat_coefficients("muon_step", ns_coefficients, ns_steps), lr_scale=str(lr_scale),
           inv_scale=inv_scale, found_inf=found_inf, max_workspace_bytes=int(max_workspace_bytes),
-          polar_row_blocks=_optional_int(polar_row_blocks, "polar_row_blocks"), polar_dtype=str(polar_dtype))
+          polar_row_blocks=_optional_int(polar_row_blocks, "polar_row_blocks"), polar_dtype=str(polar_dtype),
+          polar_method=str(polar_method))
 
 
 def muon_momentum(
@@ -174,11 +181,12 @@ def muon_orthogonalize(
     max_workspace_bytes: int = DEFAULT_MAX_WORKSPACE_BYTES,
     polar_row_blocks: Optional[int] = None,
     polar_dtype: str = "bfloat16",
+    polar_method: str = "standard",
     found_inf: Optional[torch.Tensor] = None,
 ) -> None:
     """Muon phase 2, on whole matrices: each FP32 `updates[i]` ([..., rows, cols],
     one (rows, cols) per call) is scaled by its input norm, orthogonalized by
-    Polar-Express (as in `muon_step`, in `polar_dtype`)
+    Polar-Express (as in `muon_step`, in `polar_dtype`, by `polar_method`)
     and multiplied by its NorMuon multipliers (updating `second_momentum_buffers`,
     shaped as in `muon_step`; empty when `beta2` is None), in place.
     """
@@ -190,7 +198,7 @@ def muon_orthogonalize(
           ns_steps=int(ns_steps), ns_coefficients=_flat_coefficients("muon_orthogonalize", ns_coefficients, ns_steps),
           max_workspace_bytes=int(max_workspace_bytes),
           polar_row_blocks=_optional_int(polar_row_blocks, "polar_row_blocks"), polar_dtype=str(polar_dtype),
-          found_inf=found_inf)
+          polar_method=str(polar_method), found_inf=found_inf)
 
 
 def muon_apply(
@@ -311,6 +319,14 @@ def _call(op: str, fn, lists: dict, **settings) -> None:
             if value is not None and not isinstance(value, torch.Tensor):
                 raise TypeError(f"{op}: {name} must be a tensor or None, got {type(value).__name__}") from None
         raise
+
+
+def polar_method_for(polar_method: str, rows: int, cols: int) -> str:
+    """The iteration, "standard" or "gram", that a rows x cols matrix runs
+    under `polar_method` on every device: "auto" takes Gram where the long side
+    is at least 4x the short one and the short side at least 512 (the rule of
+    csrc/common/polar_plan.h, measured in bench/RESULTS.md)."""
+    return _C.polar_method_for(str(polar_method), int(rows), int(cols))
 
 
 def cpu_bf16_gemm() -> str:

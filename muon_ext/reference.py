@@ -18,6 +18,7 @@ __all__ = [
     "adamw_step",
     "POLAR_EXPRESS_COEFFICIENTS",
     "polar_express",
+    "polar_express_gram",
     "muon_lr_factor",
     "muon_step",
     "quantize_fp8",
@@ -189,20 +190,21 @@ def _lerp(start: torch.Tensor, end: torch.Tensor, weight: torch.Tensor) -> torch
     return end - (end - start) * (_f32(1.0) - weight)
 
 
-def polar_express(x: torch.Tensor, coefficients, bf16: bool = False, fp16: bool = False) -> torch.Tensor:
+def polar_express(x: torch.Tensor, coefficients, bf16: bool = False, fp16: bool = False,
+                  method: str = "standard") -> torch.Tensor:
     """Polar-Express iterations on a batch of matrices x [B, rows, cols] (FP32 in and out).
 
     wide (rows <= cols): A = X X^T; B = b A + c A A; X = a X + B X
     tall (rows >  cols): A = X^T X; B = b A + c A A; X = a X + X B
     With bf16=True every GEMM takes BF16 operands, accumulates in FP32 and rounds
     its output (A, B, X) to BF16 once: the rounding of the CUDA kernels; fp16=True
-    the same with IEEE FP16.
+    the same with IEEE FP16. method="gram": Gram Newton-Schulz (`polar_express_gram`).
     """
-    def rnd(t):
-        if bf16:
-            return t.bfloat16().float()
-        return t.half().float() if fp16 else t
-
+    if method == "gram":
+        return polar_express_gram(x, coefficients, bf16=bf16, fp16=fp16)
+    if method != "standard":
+        raise ValueError(f"unknown method {method!r} (the iteration: 'standard' or 'gram')")
+    rnd = _polar_rounding(bf16, fp16)
     x = rnd(x.float())
     wide = x.shape[-2] <= x.shape[-1]
     for a, b, c in coefficients:
@@ -216,6 +218,50 @@ def polar_express(x: torch.Tensor, coefficients, bf16: bool = False, fp16: bool 
             poly = rnd(b * gram + c * (gram @ gram))
             x = rnd(a * x + x @ poly)
     return x
+
+
+def _polar_rounding(bf16: bool, fp16: bool):
+    if bf16:
+        return lambda t: t.bfloat16().float()
+    return (lambda t: t.half().float()) if fp16 else (lambda t: t)
+
+
+# Gram Newton-Schulz restarts before every iteration that is a multiple of this
+# (csrc/common/polar_plan.h, kGramRestartPeriod).
+GRAM_RESTART_PERIOD = 2
+
+
+def polar_express_gram(x: torch.Tensor, coefficients, bf16: bool = False, fp16: bool = False) -> torch.Tensor:
+    """Gram Newton-Schulz on x [B, rows, cols]: the polynomial of `polar_express`
+    (equal in exact arithmetic), evaluated on the Gram matrix. With V = X
+    (wide) or X^T (tall), R = V V^T, and per iteration Z = b R + c R R:
+      Q = Z + a I (first since a (re)start), else Q = Q Z + a Q
+      R = Z T + a T with T = R Z + a R   (the next Gram matrix, when needed)
+    and V = Q V at the end and at restarts (before iterations 2, 4, ...),
+    where R is recomputed. Every product's output is rounded (bf16 / fp16) as
+    in `polar_express`, so are Q = Z + a I and the final X."""
+    rnd = _polar_rounding(bf16, fp16)
+    x = rnd(x.float())
+    if not coefficients:
+        return x
+    wide = x.shape[-2] <= x.shape[-1]
+    v = x if wide else x.mT
+    eye = torch.eye(v.shape[-2])
+    r = rnd(v @ v.mT)
+    q = None
+    for k, (a, b, c) in enumerate(coefficients):
+        a, b, c = _f32(a), _f32(b), _f32(c)
+        if k > 0 and k % GRAM_RESTART_PERIOD == 0:
+            v = rnd(q @ v)
+            r = rnd(v @ v.mT)
+            q = None
+        z = rnd(c * (r @ r) + b * r)
+        q = rnd(z + a * eye) if q is None else rnd(q @ z + a * q)
+        if k + 1 < len(coefficients) and (k + 1) % GRAM_RESTART_PERIOD != 0:
+            t = rnd(r @ z + a * r)
+            r = rnd(z @ t + a * t)
+    v = rnd(q @ v)
+    return v if wide else v.mT
 
 
 def muon_lr_factor(lr_scale: str, rows: int, cols: int) -> float:
@@ -248,6 +294,7 @@ def muon_step(
     inv_scale: Optional[torch.Tensor] = None,
     found_inf: Optional[torch.Tensor] = None,
     polar_dtype: str = "bfloat16",
+    polar_method: str = "standard",
 ) -> None:
     """Reference for `muon_ext.ops.muon_step` (same arguments, same in-place effect).
 
@@ -260,7 +307,10 @@ def muon_step(
       p -= lr' X + lr' wd p [X p >= 0]      (p: the FP32 master, lr' = lr * factor)
     `polar_dtype` "bfloat16" rounds every Polar-Express GEMM's operands and
     output to BF16 (FP32 accumulation), "float16" to FP16, "float32" keeps them FP32.
+    `polar_method` ("standard", "gram", "auto") picks the iteration per matrix
+    shape by the kernels' own rule (`muon_ext.ops.polar_method_for`).
     """
+    from .ops import polar_method_for  # the shape rule lives in C++, once
     if polar_dtype not in ("bfloat16", "float32", "float16"):
         raise ValueError(f"unknown polar_dtype {polar_dtype!r}")
     if found_inf is not None and float(found_inf) != 0.0:
@@ -281,7 +331,7 @@ def muon_step(
         sum_sq = (u.double() ** 2).sum(dim=(-2, -1), keepdim=True).float()
         x = u * (_f32(1.0) / (_sqrt(sum_sq) * _f32(1.02) + _f32(1e-6)))
         x = polar_express(x, coefficients[:ns_steps], bf16=polar_dtype == "bfloat16",
-                         fp16=polar_dtype == "float16")
+                          fp16=polar_dtype == "float16", method=polar_method_for(polar_method, rows, cols))
         if beta2 is not None:
             x = x * _normuon_multipliers(x, second_momentum_buffers[i], beta2)
         master = _load_master(p, masters[i] if masters else None).reshape(-1, rows, cols)

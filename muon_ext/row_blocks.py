@@ -226,8 +226,9 @@ def muon_step(blocks: Optional[RowBlocks], group: dict, params, grads, moms, sta
         ops.muon_step(ps, gs, ms, ss, masters=masters_, lr=lr, momentum=group["momentum"],
                       nesterov=group["nesterov"], beta2=group["beta2"], weight_decay=weight_decay,
                       ns_steps=group["ns_steps"], ns_coefficients=group["ns_coefficients"],
-                      lr_scale=group["lr_scale"], polar_dtype=group["polar_dtype"], inv_scale=inv_scale,
-                      found_inf=found_inf, max_workspace_bytes=max_workspace_bytes)
+                      lr_scale=group["lr_scale"], polar_dtype=group["polar_dtype"],
+                      polar_method=group["polar_method"], inv_scale=inv_scale, found_inf=found_inf,
+                      max_workspace_bytes=max_workspace_bytes)
 
 
 def orthogonalize_blocks(blocks: Optional[RowBlocks], whole: List[torch.Tensor], stats: List[torch.Tensor],

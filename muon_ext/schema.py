@@ -33,6 +33,7 @@ MUON_DEFAULTS = {
     "lr_scale": "original",
     "matrix_view": "error",
     "polar_dtype": "bfloat16",
+    "polar_method": "standard",
 }
 ADAMW_DEFAULTS = {
     "lr": 1e-3,
@@ -168,6 +169,7 @@ def check_hyper(index: int, group: dict) -> None:
     _check_mode(where, "matrix_view", group["matrix_view"])
     _check_mode(where, "lr_scale", group["lr_scale"])
     _check_mode(where, "polar_dtype", group["polar_dtype"])
+    _check_mode(where, "polar_method", group["polar_method"])
     _check_range(where, "momentum", group["momentum"], kind)
     _check_bool(where, "nesterov", group["nesterov"])
     if group["beta2"] is not None:  # None: NorMuon off

@@ -4,11 +4,15 @@
 // the C++ tests (a naive column-major GEMM), so the buffer layouts and the
 // transposes are checked without a GPU.
 //
-// Buffers, per matrix, row-major: X and XOperand [rows, cols], Gram and Poly
-// [side, side] with side = min(rows, cols). With V = X (wide) or X^T (tall):
+// Buffers, per matrix, row-major: X and XOperand [rows, cols], the others
+// [side, side] with side = min(rows, cols). With V = X (wide) or X^T (tall),
+// the standard iteration (polar_iteration_plan):
 //   Gram = V V^T;  Poly = b Gram + c Gram Gram;  X = a X + Poly X (wide) or X Poly (tall).
 // Gram and Gram Gram are symmetric: with row blocks, only each block row's part
 // on and right of the diagonal is multiplied and the rest mirrored from it.
+// The Gram Newton-Schulz plan (polar_gram_plan, docs/design.md "Gram
+// Newton-Schulz") iterates on the [side, side] matrices only and multiplies
+// the wide X twice in all.
 #pragma once
 
 #include <algorithm>
@@ -17,8 +21,9 @@
 
 namespace muon_ext {
 
-enum class PolarBuffer : int { kX = 0, kXOperand = 1, kGram = 2, kPoly = 3 };
-constexpr int kPolarBufferCount = 4;
+// kQ and kScratch: the Gram plan's accumulated polynomial and its spare square.
+enum class PolarBuffer : int { kX = 0, kXOperand = 1, kGram = 2, kPoly = 3, kQ = 4, kScratch = 5 };
+constexpr int kPolarBufferCount = 6;
 
 // Scalars of a GEMM: constants or the iteration's (a, b, c).
 enum class PolarScalar : int { kZero, kOne, kA, kB, kC };
@@ -49,15 +54,18 @@ struct PolarView {
 };
 
 struct PolarOp {
-  enum class Kind { kGemm, kCopy, kMirror };
+  enum class Kind { kGemm, kCopy, kMirror, kAddIdentity };
   Kind kind;
   // kGemm: out = alpha * lhs rhs + beta * out (out never transposed, never
-  // aliasing lhs or rhs).
+  // aliasing lhs or rhs); beta = 0 ignores out's old contents, as BLAS does.
   PolarView out, lhs, rhs;
   PolarScalar alpha, beta;
   // kCopy: whole slot `from` -> `to`. kMirror: in `to` ([side, side]), every
   // element (i, j) whose row block is below its column block := element (j, i).
+  // kAddIdentity: to(i, i) += alpha, every i (an output: rounded like a GEMM's).
   PolarBuffer from, to;
+  // The Polar-Express iteration whose (a, b, c) the scalars take.
+  int step = 0;
 };
 
 // Most row blocks a caller may ask for (more only add GEMM launches).
@@ -81,52 +89,198 @@ inline int64_t polar_row_blocks_cpu(int64_t side) { return std::clamp<int64_t>(s
 // on a GPU (bench/muon.py --row-blocks).
 inline int64_t polar_row_blocks_cuda(int64_t /*side*/) { return 1; }
 
-inline std::vector<PolarOp> polar_iteration_plan(int64_t rows, int64_t cols, const std::vector<int64_t>& bounds) {
+namespace polar_plan_detail {
+
+inline PolarOp gemm(PolarView out, PolarView lhs, PolarView rhs, PolarScalar alpha, PolarScalar beta, int step) {
+  PolarOp op{PolarOp::Kind::kGemm, out, lhs, rhs, alpha, beta, PolarBuffer::kX, PolarBuffer::kX};
+  op.step = step;
+  return op;
+}
+
+inline PolarOp slot_op(PolarOp::Kind kind, PolarBuffer from, PolarBuffer to, PolarScalar alpha, int step) {
+  const PolarView unused{};
+  PolarOp op{kind, unused, unused, unused, alpha, PolarScalar::kZero, from, to};
+  op.step = step;
+  return op;
+}
+
+inline PolarView square(PolarBuffer buffer, int64_t side, int64_t r0, int64_t h, int64_t c0, int64_t w) {
+  return PolarView{buffer, r0 * side + c0, h, w, side, false};
+}
+
+// out = alpha lhs rhs + beta out for [side, side] lhs and rhs whose product is
+// symmetric (polynomials in one symmetric matrix commute): with row blocks,
+// each block row right of its diagonal, then the mirror.
+inline void symmetric_product(std::vector<PolarOp>& plan, PolarBuffer out, PolarBuffer lhs, PolarBuffer rhs,
+                              PolarScalar alpha, PolarScalar beta, int64_t side, const std::vector<int64_t>& bounds,
+                              int step) {
+  for (size_t i = 0; i + 1 < bounds.size(); ++i) {
+    const int64_t r0 = bounds[i], h = bounds[i + 1] - r0;
+    plan.push_back(gemm(square(out, side, r0, h, r0, side - r0), square(lhs, side, r0, h, 0, side),
+                        square(rhs, side, 0, side, r0, side - r0), alpha, beta, step));
+  }
+  if (bounds.size() > 2) plan.push_back(slot_op(PolarOp::Kind::kMirror, out, out, PolarScalar::kZero, step));
+}
+
+// Gram = V V^T, V = X (wide) or X^T (tall), symmetric as above.
+inline void gram_of_x(std::vector<PolarOp>& plan, int64_t rows, int64_t cols, const std::vector<int64_t>& bounds,
+                      int step) {
   const int64_t side = std::min(rows, cols);
   const bool wide = rows <= cols;
-  const PolarScalar none = PolarScalar::kZero;
-  // Rows [r0, r0 + h) of V, V = X (wide) or X^T (tall), as views of X.
   auto v_rows = [&](int64_t r0, int64_t h) -> PolarView {
     return wide ? PolarView{PolarBuffer::kX, r0 * cols, h, cols, cols, false}
                 : PolarView{PolarBuffer::kX, r0, rows, h, cols, false}.t();
   };
-  auto square = [&](PolarBuffer buffer, int64_t r0, int64_t h, int64_t c0, int64_t w) {
-    return PolarView{buffer, r0 * side + c0, h, w, side, false};
-  };
-  auto gemm = [](PolarView out, PolarView lhs, PolarView rhs, PolarScalar alpha, PolarScalar beta) {
-    return PolarOp{PolarOp::Kind::kGemm, out, lhs, rhs, alpha, beta, PolarBuffer::kX, PolarBuffer::kX};
-  };
-  auto copy = [&](PolarBuffer from, PolarBuffer to) {
-    const PolarView unused{};
-    return PolarOp{PolarOp::Kind::kCopy, unused, unused, unused, none, none, from, to};
-  };
-  auto mirror = [&](PolarBuffer buffer) {
-    const PolarView unused{};
-    return PolarOp{PolarOp::Kind::kMirror, unused, unused, unused, none, none, buffer, buffer};
-  };
+  for (size_t i = 0; i + 1 < bounds.size(); ++i) {
+    const int64_t r0 = bounds[i], h = bounds[i + 1] - r0;
+    plan.push_back(gemm(square(PolarBuffer::kGram, side, r0, h, r0, side - r0), v_rows(r0, h),
+                        v_rows(r0, side - r0).t(), PolarScalar::kOne, PolarScalar::kZero, step));
+  }
+  if (bounds.size() > 2) {
+    plan.push_back(slot_op(PolarOp::Kind::kMirror, PolarBuffer::kGram, PolarBuffer::kGram, PolarScalar::kZero, step));
+  }
+}
 
-  std::vector<PolarOp> plan;
-  const bool blocked = bounds.size() > 2;
-  for (size_t i = 0; i + 1 < bounds.size(); ++i) {  // Gram = V V^T
-    const int64_t r0 = bounds[i], h = bounds[i + 1] - r0;
-    plan.push_back(gemm(square(PolarBuffer::kGram, r0, h, r0, side - r0), v_rows(r0, h), v_rows(r0, side - r0).t(),
-                        PolarScalar::kOne, PolarScalar::kZero));
-  }
-  if (blocked) plan.push_back(mirror(PolarBuffer::kGram));
-  plan.push_back(copy(PolarBuffer::kGram, PolarBuffer::kPoly));
-  for (size_t i = 0; i + 1 < bounds.size(); ++i) {  // Poly = c Gram Gram + b Gram
-    const int64_t r0 = bounds[i], h = bounds[i + 1] - r0;
-    plan.push_back(gemm(square(PolarBuffer::kPoly, r0, h, r0, side - r0), square(PolarBuffer::kGram, r0, h, 0, side),
-                        square(PolarBuffer::kGram, 0, side, r0, side - r0), PolarScalar::kC, PolarScalar::kB));
-  }
-  if (blocked) plan.push_back(mirror(PolarBuffer::kPoly));
-  plan.push_back(copy(PolarBuffer::kX, PolarBuffer::kXOperand));
+// X = Q X (wide) or X Q (tall), through a copy of X.
+inline void apply_q(std::vector<PolarOp>& plan, int64_t rows, int64_t cols, int step) {
+  const int64_t side = std::min(rows, cols);
+  plan.push_back(slot_op(PolarOp::Kind::kCopy, PolarBuffer::kX, PolarBuffer::kXOperand, PolarScalar::kZero, step));
   const PolarView x{PolarBuffer::kX, 0, rows, cols, cols, false};
   const PolarView x_operand{PolarBuffer::kXOperand, 0, rows, cols, cols, false};
-  const PolarView poly = square(PolarBuffer::kPoly, 0, side, 0, side);
-  plan.push_back(wide ? gemm(x, poly, x_operand, PolarScalar::kOne, PolarScalar::kA)    // X = Poly X + a X
-                      : gemm(x, x_operand, poly, PolarScalar::kOne, PolarScalar::kA));  // X = X Poly + a X
+  const PolarView q = square(PolarBuffer::kQ, side, 0, side, 0, side);
+  plan.push_back(rows <= cols ? gemm(x, q, x_operand, PolarScalar::kOne, PolarScalar::kZero, step)
+                              : gemm(x, x_operand, q, PolarScalar::kOne, PolarScalar::kZero, step));
+}
+
+}  // namespace polar_plan_detail
+
+// One standard iteration (the same GEMMs for every (a, b, c); ops' step 0).
+inline std::vector<PolarOp> polar_iteration_plan(int64_t rows, int64_t cols, const std::vector<int64_t>& bounds) {
+  using namespace polar_plan_detail;
+  const int64_t side = std::min(rows, cols);
+  std::vector<PolarOp> plan;
+  gram_of_x(plan, rows, cols, bounds, 0);  // Gram = V V^T
+  plan.push_back(slot_op(PolarOp::Kind::kCopy, PolarBuffer::kGram, PolarBuffer::kPoly, PolarScalar::kZero, 0));
+  symmetric_product(plan, PolarBuffer::kPoly, PolarBuffer::kGram, PolarBuffer::kGram, PolarScalar::kC,  // Poly = c Gram Gram + b Gram
+                    PolarScalar::kB, side, bounds, 0);
+  plan.push_back(slot_op(PolarOp::Kind::kCopy, PolarBuffer::kX, PolarBuffer::kXOperand, PolarScalar::kZero, 0));
+  const PolarView x{PolarBuffer::kX, 0, rows, cols, cols, false};
+  const PolarView x_operand{PolarBuffer::kXOperand, 0, rows, cols, cols, false};
+  const PolarView poly = square(PolarBuffer::kPoly, side, 0, side, 0, side);
+  plan.push_back(rows <= cols ? gemm(x, poly, x_operand, PolarScalar::kOne, PolarScalar::kA, 0)    // X = Poly X + a X
+                              : gemm(x, x_operand, poly, PolarScalar::kOne, PolarScalar::kA, 0));  // X = X Poly + a X
   return plan;
+}
+
+// Which iteration a matrix runs, a group setting (polar_method).
+enum class PolarMethod : int { kStandard = 0, kGram = 1, kAuto = 2 };
+
+// "auto"'s rule, measured on the CPU (bench/polar_rate.py --stacks gram, figures in
+// bench/RESULTS.md; docs/design.md "Gram Newton-Schulz"): Gram where the long
+// side is at least kGramMinAspect times the short one and the short side is
+// at least kGramMinSide. Measured at 2 threads, standard / Gram time: 1.2-1.5x
+// at 512x2048, 1024x4096 and 4096x1024; 0.86-1.15x (noise around even) at
+// 256x1024 and 1024x256; 0.7-1.2x at 1024x1024 and 1.05x at 512x1024 (aspect
+// <= 2, where published ports keep the standard iteration too). The one rule
+// for C++ and Python (muon_ext._C.polar_method_for).
+constexpr int64_t kGramMinAspect = 4;
+constexpr int64_t kGramMinSide = 512;
+
+inline bool polar_gram_pays(int64_t rows, int64_t cols) {
+  const int64_t side = std::min(rows, cols), length = std::max(rows, cols);
+  return side >= kGramMinSide && length >= kGramMinAspect * side;
+}
+
+// The iteration a (rows, cols) matrix runs under `method`: kStandard or kGram.
+inline PolarMethod polar_method_for(PolarMethod method, int64_t rows, int64_t cols) {
+  if (method == PolarMethod::kAuto) return polar_gram_pays(rows, cols) ? PolarMethod::kGram : PolarMethod::kStandard;
+  return method;
+}
+
+// Gram Newton-Schulz restarts (recomputes X from the accumulated polynomial
+// and its Gram matrix afresh) before every iteration that is a multiple of
+// this: rounding noise in R sits at eps * |R|, i.e. at singular values near
+// sqrt(eps) of X, which the iteration grows toward 1 in directions where X
+// has nothing; a restart discards it. Every 2 (before iterations 2 and 4):
+// with every 3, BF16 Gram blew up on a rank-2 128x128 matrix (largest output
+// singular value 14.8, and a NaN in examples/train_gpt.py, seed 1); every 2
+// kept the largest at 1.16 on rank 1-8 matrices of 128x128 .. 512x2048.
+constexpr int kGramRestartPeriod = 2;
+
+inline bool polar_gram_restarts_before(int step) { return step > 0 && step % kGramRestartPeriod == 0; }
+
+
+// Gram Newton-Schulz over `steps` iterations, in exact arithmetic the same
+// polynomial as `steps` standard iterations. With R = V V^T and the iteration's
+// P = a I + Z, Z = b R + c R R (so that the standard step is V <- P V):
+//   Q = P_0,  then Q <- Q P_k = Q Z + a Q        (the polynomial so far)
+//   R <- P R P = Z (R Z + a R) + a (R Z + a R)   (the Gram matrix of P V)
+// and V <- Q V once at the end, or at a restart (polar_gram_restarts_before),
+// after which R = V V^T afresh. All square products are polynomials in one
+// symmetric matrix, so symmetric: row blocks apply to each.
+inline std::vector<PolarOp> polar_gram_plan(int64_t rows, int64_t cols, const std::vector<int64_t>& bounds, int steps) {
+  using namespace polar_plan_detail;
+  const int64_t side = std::min(rows, cols);
+  const PolarScalar one = PolarScalar::kOne, a = PolarScalar::kA, none = PolarScalar::kZero;
+  std::vector<PolarOp> plan;
+  if (steps <= 0) return plan;
+  gram_of_x(plan, rows, cols, bounds, 0);
+  bool fresh = true;  // no polynomial accumulated since the start or restart
+  for (int k = 0; k < steps; ++k) {
+    if (polar_gram_restarts_before(k)) {
+      apply_q(plan, rows, cols, k);
+      gram_of_x(plan, rows, cols, bounds, k);
+      fresh = true;
+    }
+    // Z = c R R + b R
+    plan.push_back(slot_op(PolarOp::Kind::kCopy, PolarBuffer::kGram, PolarBuffer::kPoly, none, k));
+    symmetric_product(plan, PolarBuffer::kPoly, PolarBuffer::kGram, PolarBuffer::kGram, PolarScalar::kC,
+                      PolarScalar::kB, side, bounds, k);
+    if (fresh) {  // Q = Z + a I
+      plan.push_back(slot_op(PolarOp::Kind::kCopy, PolarBuffer::kPoly, PolarBuffer::kQ, none, k));
+      plan.push_back(slot_op(PolarOp::Kind::kAddIdentity, PolarBuffer::kQ, PolarBuffer::kQ, a, k));
+      fresh = false;
+    } else {  // Q = Q Z + a Q
+      plan.push_back(slot_op(PolarOp::Kind::kCopy, PolarBuffer::kQ, PolarBuffer::kScratch, none, k));
+      symmetric_product(plan, PolarBuffer::kQ, PolarBuffer::kScratch, PolarBuffer::kPoly, one, a, side, bounds, k);
+    }
+    if (k + 1 < steps && !polar_gram_restarts_before(k + 1)) {  // R = P R P, wanted by the next iteration
+      plan.push_back(slot_op(PolarOp::Kind::kCopy, PolarBuffer::kGram, PolarBuffer::kScratch, none, k));
+      symmetric_product(plan, PolarBuffer::kScratch, PolarBuffer::kGram, PolarBuffer::kPoly, one, a, side, bounds, k);
+      plan.push_back(slot_op(PolarOp::Kind::kCopy, PolarBuffer::kScratch, PolarBuffer::kGram, none, k));
+      symmetric_product(plan, PolarBuffer::kGram, PolarBuffer::kPoly, PolarBuffer::kScratch, one, a, side, bounds, k);
+    }
+  }
+  apply_q(plan, rows, cols, steps - 1);
+  return plan;
+}
+
+// Every iteration of `method` (kStandard or kGram, as polar_method_for gives)
+// as one plan; each op's `step` says whose (a, b, c) it takes.
+inline std::vector<PolarOp> polar_plan(PolarMethod method, int64_t rows, int64_t cols,
+                                       const std::vector<int64_t>& bounds, int steps) {
+  if (method == PolarMethod::kGram) return polar_gram_plan(rows, cols, bounds, steps);
+  std::vector<PolarOp> plan;
+  const std::vector<PolarOp> iteration = polar_iteration_plan(rows, cols, bounds);
+  for (int k = 0; k < steps; ++k) {
+    for (PolarOp op : iteration) {
+      op.step = k;
+      plan.push_back(op);
+    }
+  }
+  return plan;
+}
+
+// Whether any op of `plan` reads or writes `buffer` (scratch is allocated for those only).
+inline bool polar_plan_uses(const std::vector<PolarOp>& plan, PolarBuffer buffer) {
+  for (const PolarOp& op : plan) {
+    if (op.kind == PolarOp::Kind::kGemm) {
+      if (op.out.buffer == buffer || op.lhs.buffer == buffer || op.rhs.buffer == buffer) return true;
+    } else if (op.from == buffer || op.to == buffer) {
+      return true;
+    }
+  }
+  return false;
 }
 
 // CPU output panels: GEMMs are cut into row panels of about this many rows,
@@ -136,20 +290,24 @@ constexpr int64_t kPolarPanelRowsCpu = 128;
 
 // The plan as the CPU runs it: every GEMM cut into near-equal output row
 // panels of at most `panel_rows` rows (the lhs rows with them), and each run of
-// consecutive GEMMs made one stage: they write disjoint parts of one buffer and
-// read only other buffers (and, through beta, their own part), so a stage's
-// GEMMs may run in any order or concurrently. A copy or mirror is a stage alone.
+// consecutive GEMMs writing one buffer made one stage: they write disjoint
+// parts of it and read only other buffers (and, through beta, their own part),
+// so a stage's GEMMs may run in any order or concurrently. A GEMM writing
+// another buffer starts a new stage (it may read what the stage wrote); a
+// copy, mirror or identity add is a stage alone.
 inline std::vector<std::vector<PolarOp>> polar_stages(const std::vector<PolarOp>& plan, int64_t panel_rows) {
   std::vector<std::vector<PolarOp>> stages;
   bool in_gemm_stage = false;
+  PolarBuffer stage_buffer = PolarBuffer::kX;
   for (const PolarOp& op : plan) {
     if (op.kind != PolarOp::Kind::kGemm) {
       stages.push_back({op});
       in_gemm_stage = false;
       continue;
     }
-    if (!in_gemm_stage) stages.emplace_back();
+    if (!in_gemm_stage || stage_buffer != op.out.buffer) stages.emplace_back();
     in_gemm_stage = true;
+    stage_buffer = op.out.buffer;
     const int64_t rows = op.out.rows;
     const std::vector<int64_t> bounds =
         polar_block_bounds(rows, (rows + std::max<int64_t>(panel_rows, 1) - 1) / std::max<int64_t>(panel_rows, 1));
@@ -183,7 +341,7 @@ inline ColumnMajorGemm to_column_major(const PolarOp& op) {
           op.out.offset,     op.rhs.ld,         op.lhs.ld,     op.out.ld};
 }
 
-// Elements per matrix of each buffer.
+// Elements per matrix of each buffer (the [side, side] ones: all but X and XOperand).
 inline int64_t polar_buffer_numel(PolarBuffer buffer, int64_t rows, int64_t cols) {
   const int64_t side = std::min(rows, cols);
   return buffer == PolarBuffer::kX || buffer == PolarBuffer::kXOperand ? rows * cols : side * side;

@@ -53,6 +53,7 @@ inline constexpr Mode kModes[] = {
     {"master", {"none", "fp32", "remainder"}, 3},
     {"grad_attr", {"grad", "main_grad"}, 2},
     {"polar_dtype", {"bfloat16", "float32", "float16"}, 3},
+    {"polar_method", {"standard", "gram", "auto"}, 3},
 };
 
 inline const Range* find_range(const char* kind, const char* name) {

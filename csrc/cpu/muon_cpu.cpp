@@ -242,6 +242,26 @@ void round_to(PolarRounding rounding, const at::Tensor& view) {
   for (int64_t r = 0; r < view.size(0); ++r) round_to(rounding, base + r * view.stride(0), view.size(1));
 }
 
+// slot(i, i) += value for the [side, side] slot, each sum rounded to the
+// slot's format (BF16 buffers) or by `rounding` (FP32 buffers): the Gram plan's
+// Q = Z + a I, an output like a GEMM's.
+void add_to_diagonal(const at::Tensor& slot, int64_t side, float value, PolarRounding rounding) {
+  if (slot.scalar_type() == at::kBFloat16) {
+    uint16_t* bits = static_cast<uint16_t*>(slot.data_ptr());
+    for (int64_t i = 0; i < side; ++i) {
+      uint16_t& e = bits[i * (side + 1)];
+      e = float_to_bf16_bits_rne(bf16_bits_to_float(e) + value);
+    }
+    return;
+  }
+  float* values = slot.data_ptr<float>();
+  for (int64_t i = 0; i < side; ++i) {
+    float& e = values[i * (side + 1)];
+    e = e + value;
+    round_to(rounding, &e, 1);
+  }
+}
+
 // The rounding of each GEMM output for a polar_dtype (FP32 GEMMs on the CPU).
 PolarRounding rounding_of(PolarDtype precision) {
   switch (precision) {
@@ -289,9 +309,15 @@ namespace {
 // BF16 values, the GEMM is FP32 (products of BF16 values are exact in FP32)
 // and its output is rounded after it: the same rounding points, another
 // accumulation order, and never the slow emulated BF16 GEMM.
+//
+// `method` picks the plan (polar_method_for: the standard iteration or Gram
+// Newton-Schulz, docs/design.md "Gram Newton-Schulz"); both run on the same
+// panels and scratch, with the same rounding points per GEMM output.
 void polar_express(at::Tensor& x, const std::vector<std::array<float, 3>>& coefficients, int64_t rows,
-                   int64_t cols, int64_t row_blocks, int64_t max_scratch_bytes, PolarDtype precision) {
+                   int64_t cols, int64_t row_blocks, int64_t max_scratch_bytes, PolarDtype precision,
+                   PolarMethod method) {
   const int64_t count = x.size(0);
+  const PolarMethod iteration = polar_method_for(method, rows, cols);
   const bool bf16 = precision == PolarDtype::kBFloat16;
   const PolarRounding rounding = rounding_of(precision);
   if (count == 0) return;
@@ -307,7 +333,8 @@ void polar_express(at::Tensor& x, const std::vector<std::array<float, 3>>& coeff
   }
   if (polar_small_shape(rows, cols)) {
     // Eight matrices per SIMD vector, no BLAS calls (polar_small.h).
-    polar_express_small(x.data_ptr<float>(), count, rows, cols, coefficients, rounding);
+    polar_express_small(x.data_ptr<float>(), count, rows, cols, coefficients, rounding,
+                        iteration == PolarMethod::kGram);
     return;
   }
   const bool native = bf16 && polar_bf16_gemm() == PolarGemm::kNativeBf16;
@@ -315,8 +342,9 @@ void polar_express(at::Tensor& x, const std::vector<std::array<float, 3>>& coeff
   const int64_t side = std::min(rows, cols);
   const std::vector<int64_t> bounds =
       polar_block_bounds(side, row_blocks > 0 ? row_blocks : polar_row_blocks_cpu(side));
-  const std::vector<std::vector<PolarOp>> stages =
-      polar_stages(polar_iteration_plan(rows, cols, bounds), kPolarPanelRowsCpu);
+  const std::vector<PolarOp> plan =
+      polar_plan(iteration, rows, cols, bounds, static_cast<int>(coefficients.size()));
+  const std::vector<std::vector<PolarOp>> stages = polar_stages(plan, kPolarPanelRowsCpu);
 
   // Scratch of one matrix: its four buffers back to back, each 64-byte aligned
   // (at::empty's CPU allocations are).
@@ -325,8 +353,9 @@ void polar_express(at::Tensor& x, const std::vector<std::array<float, 3>>& coeff
   std::array<int64_t, kPolarBufferCount> slot_offset{};
   int64_t scratch_numel = 0;
   for (int k = 0; k < kPolarBufferCount; ++k) {
+    const PolarBuffer b = static_cast<PolarBuffer>(k);
     slot_offset[k] = scratch_numel;
-    scratch_numel += align_up(polar_buffer_numel(static_cast<PolarBuffer>(k), rows, cols), element_size);
+    if (polar_plan_uses(plan, b)) scratch_numel += align_up(polar_buffer_numel(b, rows, cols), element_size);
   }
   const int64_t scratch_bytes = scratch_numel * element_size;
   const int64_t group = std::max<int64_t>(
@@ -346,7 +375,8 @@ void polar_express(at::Tensor& x, const std::vector<std::array<float, 3>>& coeff
       into.copy_(flat_x[first + member]);  // to BF16 (nearest even) when the scratch is BF16
       round_to(output_rounding, into.view({rows, cols}));
     });
-    auto execute = [&](int64_t member, const PolarOp& op, const std::array<float, 3>& abc) {
+    auto execute = [&](int64_t member, const PolarOp& op) {
+      const std::array<float, 3>& abc = coefficients[op.step];
       switch (op.kind) {
         case PolarOp::Kind::kGemm: {
           at::Tensor out = view_of(slot(member, op.out.buffer), op.out);
@@ -362,6 +392,10 @@ void polar_express(at::Tensor& x, const std::vector<std::array<float, 3>>& coeff
         case PolarOp::Kind::kMirror:
           mirror_upper_blocks(slot(member, op.to), side, bounds);
           break;
+        case PolarOp::Kind::kAddIdentity:
+          add_to_diagonal(slot(member, op.to), side,
+                          static_cast<float>(polar_scalar_value(op.alpha, abc[0], abc[1], abc[2])), output_rounding);
+          break;
       }
     };
     if (members == group && group == at::get_num_threads() && group > 1) {
@@ -369,19 +403,15 @@ void polar_express(at::Tensor& x, const std::vector<std::array<float, 3>>& coeff
       // matrix's scratch stays in its thread's cache. The same calls on the
       // same panels as below, so the same bits.
       run_tasks(members, [&](int64_t member) {
-        for (const auto& abc : coefficients) {
-          for (const std::vector<PolarOp>& stage : stages) {
-            for (const PolarOp& op : stage) execute(member, op, abc);
-          }
+        for (const std::vector<PolarOp>& stage : stages) {
+          for (const PolarOp& op : stage) execute(member, op);
         }
       });
     } else {
       // Fewer matrices than threads: the threads share each stage's panels.
-      for (const auto& abc : coefficients) {
-        for (const std::vector<PolarOp>& stage : stages) {
-          const int64_t ops = static_cast<int64_t>(stage.size());
-          run_tasks(members * ops, [&](int64_t task) { execute(task / ops, stage[task % ops], abc); });
-        }
+      for (const std::vector<PolarOp>& stage : stages) {
+        const int64_t ops = static_cast<int64_t>(stage.size());
+        run_tasks(members * ops, [&](int64_t task) { execute(task / ops, stage[task % ops]); });
       }
     }
     run_tasks(members, [&](int64_t member) { flat_x[first + member].copy_(slot(member, PolarBuffer::kX)); });
@@ -546,7 +576,8 @@ void muon_step(const MuonBucket& b, const MuonStepOptions& o) {
     const std::vector<MatrixRef> mats(all.begin() + first, all.begin() + std::min(first + chunk, total));
     at::Tensor x = workspace.narrow(0, 0, static_cast<int64_t>(mats.size()));
     momentum_and_scale(b, o, mats, inv_scale, x);
-    polar_express(x, o.coefficients, b.rows, b.cols, o.polar_row_blocks, o.max_workspace_bytes, o.polar_dtype);
+    polar_express(x, o.coefficients, b.rows, b.cols, o.polar_row_blocks, o.max_workspace_bytes, o.polar_dtype,
+                  o.polar_method);
     if (o.hyper.normuon) {
       const int64_t len = b.stat_length();
       const std::vector<float*> second_moments = data_pointers<float>(b.second_momentum_buffers);
@@ -592,7 +623,7 @@ void muon_orthogonalize(const MuonOrthogonalizeArgs& args) {
     scale_by_input_norm(xs, count, n, partial);
     at::Tensor matrices = x;
     polar_express(matrices, args.coefficients, rows, cols, args.polar_row_blocks, args.max_workspace_bytes,
-                  args.polar_dtype);
+                  args.polar_dtype, args.polar_method);
     if (!args.normuon) continue;
     float* smb = args.second_momentum_buffers[i].data_ptr<float>();
     normuon_multipliers(rows, cols, args.beta2, count, xs, [&](int64_t j) { return smb + j * len; }, mult);

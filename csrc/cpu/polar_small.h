@@ -32,9 +32,11 @@ inline bool polar_small_shape(int64_t rows, int64_t cols) {
 }
 
 // Runs the iterations on `count` contiguous FP32 [rows, cols] matrices at xs,
-// in place, on the intra-op threads.
+// in place, on the intra-op threads: standard iterations, or with `gram` the
+// Gram Newton-Schulz plan of csrc/common/polar_plan.h (polar_gram_plan: the
+// same products, restarts and rounding points).
 void polar_express_small(float* xs, int64_t count, int64_t rows, int64_t cols,
-                         const std::vector<std::array<float, 3>>& coefficients, PolarRounding rounding);
+                         const std::vector<std::array<float, 3>>& coefficients, PolarRounding rounding, bool gram);
 
 }  // namespace cpu
 }  // namespace muon_ext

@@ -531,6 +531,7 @@ struct OrthogonalizeSpec {
   int64_t max_workspace_bytes;
   int64_t polar_row_blocks;
   PolarDtype polar_dtype;
+  PolarMethod polar_method;  // as given: resolved per shape by polar_method_for
   const std::vector<at::Tensor>* second_moments;  // per bucket tensor; read when normuon
   const float* found_inf;
   const char* op;  // for error messages
@@ -560,12 +561,13 @@ class MatrixChunks {
     const int64_t fp32_scratch = 1 + (spec.normuon ? stat_length_ : 0);
     const bool orthogonalize = !spec.coefficients->empty();
     workspace_dtype_ = spec.polar_dtype;
+    const PolarMethod method = polar_method_for(spec.polar_method, spec.rows, spec.cols);
     const at::ScalarType x_dtype = spec.polar_dtype == PolarDtype::kFloat32   ? at::kFloat
                                    : spec.polar_dtype == PolarDtype::kFloat16 ? at::kHalf
                                                                               : at::kBFloat16;
     const int64_t per_matrix_workspace_bytes =
         numel_ * int64_t(c10::elementSize(x_dtype)) +
-        (orthogonalize ? polar_express_workspace_bytes(spec.rows, spec.cols, x_dtype) : 0) +
+        (orthogonalize ? polar_express_workspace_bytes(spec.rows, spec.cols, x_dtype, method) : 0) +
         blocks_per_matrix_ * int64_t(sizeof(double)) + fp32_scratch * int64_t(sizeof(float));
     // At most 65535 matrices per chunk: some cuBLAS versions mishandle larger
     // batch counts (torch works around it on sm_7x), and capping here, not in
@@ -580,7 +582,8 @@ class MatrixChunks {
 
     const at::TensorOptions f32 = tensors.front().options().dtype(at::kFloat);
     x_ = at::empty({capacity_, spec.rows, spec.cols}, f32.dtype(x_dtype));
-    polar_ = make_polar_express_workspace(orthogonalize ? capacity_ : 0, spec.rows, spec.cols, f32.dtype(x_dtype));
+    polar_ = make_polar_express_workspace(orthogonalize ? capacity_ : 0, spec.rows, spec.cols, f32.dtype(x_dtype),
+                                          method);
     partials_ = at::empty({capacity_, blocks_per_matrix_}, f32.dtype(at::kDouble));
     scale_ = at::empty({capacity_}, f32);
     if (spec.normuon) stats_ = at::empty({capacity_, stat_length_}, f32);
@@ -724,6 +727,7 @@ void run_muon_step(const MuonBucket& bucket, const MuonStepOptions& options) {
                                             .max_workspace_bytes = options.max_workspace_bytes,
                                             .polar_row_blocks = options.polar_row_blocks,
                                             .polar_dtype = options.polar_dtype,
+                                            .polar_method = options.polar_method,
                                             .second_moments = &bucket.second_momentum_buffers,
                                             .found_inf = optional_ptr(options.found_inf),
                                             .op = "muon_step"});
@@ -786,6 +790,7 @@ void muon_orthogonalize(const MuonOrthogonalizeArgs& args) {
                                            .max_workspace_bytes = args.max_workspace_bytes,
                                            .polar_row_blocks = args.polar_row_blocks,
                                            .polar_dtype = args.polar_dtype,
+                                           .polar_method = args.polar_method,
                                            .second_moments = &args.second_momentum_buffers,
                                            .found_inf = optional_ptr(args.found_inf),
                                            .op = "muon_orthogonalize"});

@@ -65,6 +65,18 @@ __global__ void mirror_upper_blocks_kernel(T* data, int64_t batch, int64_t side,
   }
 }
 
+// m(i, i) += value for every [side, side] matrix m of the batch, in FP32,
+// rounded once to T: the Gram plan's Q = Z + a I (kAddIdentity).
+template <typename T>
+__global__ void add_identity_kernel(T* data, int64_t batch, int64_t side, float value) {
+  const int64_t total = batch * side;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < total; e += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t m = e / side, i = e % side;
+    T& element = data[m * side * side + i * (side + 1)];
+    element = T(static_cast<float>(element) + value);
+  }
+}
+
 // Sets the handle's math mode for the scope, then restores it: the handle is
 // PyTorch's, shared with every other GEMM on this stream.
 class MathModeGuard {
@@ -90,20 +102,23 @@ int to_int(int64_t value, const char* what) {
 
 }  // namespace
 
-int64_t polar_express_workspace_bytes(int64_t rows, int64_t cols, at::ScalarType dtype) {
+int64_t polar_express_workspace_bytes(int64_t rows, int64_t cols, at::ScalarType dtype, PolarMethod method) {
   const int64_t s = std::min(rows, cols);
-  return (rows * cols + 2 * s * s) * int64_t(c10::elementSize(dtype));
+  const int64_t squares = method == PolarMethod::kGram ? 4 : 2;
+  return (rows * cols + squares * s * s) * int64_t(c10::elementSize(dtype));
 }
 
 PolarExpressWorkspace make_polar_express_workspace(int64_t capacity, int64_t rows, int64_t cols,
-                                                   const at::TensorOptions& options) {
+                                                   const at::TensorOptions& options, PolarMethod method) {
   // Checked here, before the caller enqueues anything: every GEMM size, leading
   // dimension and batch count of polar_express then fits cuBLAS's int.
   to_int(std::max(rows, cols), "matrix dimension");
   to_int(capacity, "batch");
   const int64_t s = std::min(rows, cols);
+  const int64_t gram_capacity = method == PolarMethod::kGram ? capacity : 0;
   return {at::empty({capacity, rows, cols}, options), at::empty({capacity, s, s}, options),
-          at::empty({capacity, s, s}, options)};
+          at::empty({capacity, s, s}, options),       at::empty({gram_capacity, s, s}, options),
+          at::empty({gram_capacity, s, s}, options),  method};
 }
 
 void polar_express(const at::Tensor& x, const std::vector<std::array<float, 3>>& coefficients,
@@ -119,21 +134,25 @@ void polar_express(const at::Tensor& x, const std::vector<std::array<float, 3>>&
     return buffer.scalar_type() == dtype && buffer.is_contiguous() && buffer.dim() == 3 && buffer.size(0) >= batch &&
            buffer.size(1) == r && buffer.size(2) == c;
   };
-  TORCH_CHECK(fits(workspace.x_operand, rows, cols) && fits(workspace.gram, s, s) && fits(workspace.poly, s, s),
+  const bool gram_plan = workspace.method == PolarMethod::kGram;
+  TORCH_CHECK(fits(workspace.x_operand, rows, cols) && fits(workspace.gram, s, s) && fits(workspace.poly, s, s) &&
+                  (!gram_plan || (fits(workspace.q, s, s) && fits(workspace.scratch, s, s))),
               "polar_express: the workspace does not fit x");
   if (batch == 0 || s == 0 || coefficients.empty()) return;
 
   TORCH_CHECK(row_blocks <= kMaxPolarRowBlocks, "polar_express: row_blocks ", row_blocks, " above ",
               kMaxPolarRowBlocks);
   const std::vector<int64_t> bounds = polar_block_bounds(s, row_blocks > 0 ? row_blocks : polar_row_blocks_cuda(s));
-  const std::vector<PolarOp> plan = polar_iteration_plan(rows, cols, bounds);
+  const std::vector<PolarOp> plan =
+      polar_plan(workspace.method, rows, cols, bounds, static_cast<int>(coefficients.size()));
   BlockBounds device_bounds{};
   device_bounds.count = static_cast<int>(bounds.size()) - 1;
   std::copy(bounds.begin(), bounds.end(), device_bounds.value);
 
   // Base address and batch stride (elements) of each buffer, by PolarBuffer.
-  const std::array<void*, kPolarBufferCount> base = {x.data_ptr(), workspace.x_operand.data_ptr(),
-                                                     workspace.gram.data_ptr(), workspace.poly.data_ptr()};
+  const std::array<void*, kPolarBufferCount> base = {x.data_ptr(),         workspace.x_operand.data_ptr(),
+                                                     workspace.gram.data_ptr(), workspace.poly.data_ptr(),
+                                                     workspace.q.data_ptr(),    workspace.scratch.data_ptr()};
   auto stride = [&](PolarBuffer b) { return polar_buffer_numel(b, rows, cols); };
   const int64_t element_size = int64_t(c10::elementSize(dtype));
   auto address = [&](PolarBuffer b, int64_t offset) {
@@ -158,8 +177,10 @@ void polar_express(const at::Tensor& x, const std::vector<std::array<float, 3>>&
   const dim3 mirror_threads(kTile, 8);
   const dim3 mirror_grid(static_cast<unsigned>(tiles * tiles), 1, static_cast<unsigned>(std::min<int64_t>(batch, 65535)));
 
-  for (const std::array<float, 3>& abc : coefficients) {
-    for (const PolarOp& op : plan) {
+  const int add_blocks = static_cast<int>(std::min<int64_t>((batch * s + 255) / 256, 4096));
+  for (const PolarOp& op : plan) {
+    const std::array<float, 3>& abc = coefficients[op.step];
+    {
       switch (op.kind) {
         case PolarOp::Kind::kGemm: {
           const ColumnMajorGemm g = to_column_major(op);
@@ -188,6 +209,21 @@ void polar_express(const at::Tensor& x, const std::vector<std::array<float, 3>>&
           }
           C10_CUDA_KERNEL_LAUNCH_CHECK();
           break;
+        case PolarOp::Kind::kAddIdentity: {
+          const float value = static_cast<float>(polar_scalar_value(op.alpha, abc[0], abc[1], abc[2]));
+          if (dtype == at::kBFloat16) {
+            add_identity_kernel<<<add_blocks, 256, 0, stream>>>(static_cast<at::BFloat16*>(address(op.to, 0)), batch,
+                                                                 s, value);
+          } else if (dtype == at::kHalf) {
+            add_identity_kernel<<<add_blocks, 256, 0, stream>>>(static_cast<at::Half*>(address(op.to, 0)), batch, s,
+                                                                 value);
+          } else {
+            add_identity_kernel<<<add_blocks, 256, 0, stream>>>(static_cast<float*>(address(op.to, 0)), batch, s,
+                                                                 value);
+          }
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+          break;
+        }
       }
     }
   }

@@ -321,7 +321,8 @@ class DistributedStep:
         def orthogonalize_matrices(whole: List[torch.Tensor], whole_stats: List[torch.Tensor]) -> None:
             ops.muon_orthogonalize(whole, whole_stats, beta2=group["beta2"], ns_steps=group["ns_steps"],
                                    ns_coefficients=group["ns_coefficients"], max_workspace_bytes=max_workspace_bytes,
-                                   polar_dtype=group["polar_dtype"], found_inf=found_inf)
+                                   polar_dtype=group["polar_dtype"], polar_method=group["polar_method"],
+                                   found_inf=found_inf)
             self.polar_flops += len(whole) * _polar_flops(*whole[0].shape[-2:], group["ns_steps"])
 
         def orthogonalize(whole: List[torch.Tensor], whole_stats: List[torch.Tensor]) -> None:

@@ -48,13 +48,19 @@ void column_major_gemm(const ColumnMajorGemm& g, double alpha, double beta, Slot
   }
 }
 
-void execute(const std::vector<PolarOp>& plan, const std::vector<int64_t>& bounds, double a, double b, double c,
+using Coefficients = std::vector<std::array<double, 3>>;
+
+void execute(const std::vector<PolarOp>& plan, const std::vector<int64_t>& bounds, const Coefficients& abc,
              int64_t side, Slots& s) {
   for (const PolarOp& op : plan) {
+    const auto [a, b, c] = abc.at(op.step);
     switch (op.kind) {
       case PolarOp::Kind::kGemm:
         column_major_gemm(to_column_major(op), polar_scalar_value(op.alpha, a, b, c),
                           polar_scalar_value(op.beta, a, b, c), s);
+        break;
+      case PolarOp::Kind::kAddIdentity:
+        for (int64_t i = 0; i < side; ++i) s[op.to].at(i * side + i) += polar_scalar_value(op.alpha, a, b, c);
         break;
       case PolarOp::Kind::kCopy:
         s[op.to] = s[op.from];
@@ -113,7 +119,7 @@ TEST_P(PolarPlanTest, ExecutesOneIterationExactly) {
   const double a = 3.4, b = -2.7, c = 0.5;
   const Matrix expected = direct_iteration(s[PolarBuffer::kX], rows, cols, a, b, c);
 
-  execute(polar_iteration_plan(rows, cols, bounds), bounds, a, b, c, side, s);
+  execute(polar_iteration_plan(rows, cols, bounds), bounds, {{a, b, c}}, side, s);
   const Matrix& got = s[PolarBuffer::kX];
   ASSERT_EQ(got.size(), expected.size());
   for (size_t i = 0; i < got.size(); ++i) {
@@ -167,7 +173,7 @@ TEST_P(PolarStagesTest, PanelsComputeTheIterationInAnyOrder) {
     Slots s = start;
     for (std::vector<PolarOp> stage : stages) {
       if (reversed) std::reverse(stage.begin(), stage.end());
-      execute(stage, bounds, a, b, c, side, s);
+      execute(stage, bounds, {{a, b, c}}, side, s);
     }
     const Matrix& got = s[PolarBuffer::kX];
     ASSERT_EQ(got.size(), expected.size());
@@ -309,6 +315,171 @@ TEST(PolarPlan, BlockBoundsAndRowBlocks) {
   EXPECT_EQ(polar_row_blocks_cpu(256), 2);
   EXPECT_EQ(polar_row_blocks_cpu(1024), 8);
   EXPECT_EQ(polar_row_blocks_cpu(8192), 8);
+}
+
+// ---------------------------------------------------------------------------
+// Gram Newton-Schulz (polar_gram_plan)
+// ---------------------------------------------------------------------------
+
+// Seven iterations' (a, b, c): three restarts (before 2, 4 and 6) fit in.
+const Coefficients kSteps = {{3.4, -4.7, 2.0}, {4.0, -2.8, 0.5}, {3.9, -2.8, 0.5}, {3.3, -2.4, 0.46},
+                             {2.3, -1.7, 0.42}, {2.0, -1.4, 0.4}, {1.9, -1.3, 0.38}};
+
+Slots random_slots(int64_t rows, int64_t cols, unsigned seed) {
+  std::mt19937 gen(seed);
+  std::normal_distribution<double> normal;
+  Slots s;
+  for (int k = 0; k < kPolarBufferCount; ++k) {
+    s.buffer[k].assign(polar_buffer_numel(static_cast<PolarBuffer>(k), rows, cols), std::nan(""));
+  }
+  // Frobenius norm 0.9, below 1 as the iteration's input: the polynomials stay bounded.
+  double sum = 0.0;
+  for (double& v : s[PolarBuffer::kX]) {
+    v = normal(gen);
+    sum += v * v;
+  }
+  for (double& v : s[PolarBuffer::kX]) v *= 0.9 / std::sqrt(sum);
+  return s;
+}
+
+// `steps` standard iterations written out directly.
+Matrix direct_iterations(Matrix x, int64_t rows, int64_t cols, const Coefficients& abc, int steps) {
+  for (int k = 0; k < steps; ++k) x = direct_iteration(x, rows, cols, abc[k][0], abc[k][1], abc[k][2]);
+  return x;
+}
+
+class GramPlanTest : public ::testing::TestWithParam<std::tuple<int64_t, int64_t, int64_t, int>> {};
+
+TEST_P(GramPlanTest, ComputesTheStandardPolynomial) {
+  const auto [rows, cols, blocks, steps] = GetParam();
+  const int64_t side = std::min(rows, cols);
+  const std::vector<int64_t> bounds = polar_block_bounds(side, blocks);
+  Slots s = random_slots(rows, cols, static_cast<unsigned>(rows * 7919 + cols * 31 + blocks * 7 + steps));
+  const Matrix expected = direct_iterations(s[PolarBuffer::kX], rows, cols, kSteps, steps);
+  const std::vector<PolarOp> plan = polar_plan(PolarMethod::kGram, rows, cols, bounds, steps);
+  execute(plan, bounds, kSteps, side, s);
+  for (size_t i = 0; i < expected.size(); ++i) {
+    ASSERT_NEAR(s[PolarBuffer::kX][i], expected[i], 1e-11 * (1.0 + std::abs(expected[i]))) << "element " << i;
+  }
+  // The wide X is multiplied (V V^T or Q V) once at the start, twice per
+  // restart and once at the end: every other GEMM is [side, side].
+  int64_t long_gemms = 0;
+  for (const PolarOp& op : plan) {
+    if (op.kind != PolarOp::Kind::kGemm) continue;
+    const bool touches_x = op.lhs.buffer == PolarBuffer::kX || op.lhs.buffer == PolarBuffer::kXOperand ||
+                           op.rhs.buffer == PolarBuffer::kX || op.rhs.buffer == PolarBuffer::kXOperand;
+    if (touches_x) ++long_gemms;
+  }
+  const int restarts = (steps - 1) / kGramRestartPeriod;
+  EXPECT_EQ(long_gemms, int64_t(bounds.size() - 1) * (1 + restarts) + 1 + restarts);
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, GramPlanTest,
+                         ::testing::Combine(::testing::Values(1, 4, 9), ::testing::Values(1, 6, 23),
+                                            ::testing::Values(1, 3), ::testing::Values(1, 2, 3, 4, 7)));
+
+TEST(GramPlan, StagesComputeItWithPanelsInAnyOrderAndNoOverlap) {
+  for (const auto& [rows, cols] : {std::pair<int64_t, int64_t>{13, 40}, {40, 13}}) {
+    const int64_t side = std::min(rows, cols);
+    const std::vector<int64_t> bounds = polar_block_bounds(side, 3);
+    const std::vector<PolarOp> plan = polar_plan(PolarMethod::kGram, rows, cols, bounds, 5);
+    const Slots start = random_slots(rows, cols, 11);
+    const Matrix expected = direct_iterations(start.buffer[0], rows, cols, kSteps, 5);
+    for (const int64_t panel_rows : {2, 5}) {
+      const auto stages = polar_stages(plan, panel_rows);
+      for (const bool reversed : {false, true}) {
+        Slots s = start;
+        for (std::vector<PolarOp> stage : stages) {
+          if (reversed) std::reverse(stage.begin(), stage.end());
+          execute(stage, bounds, kSteps, side, s);
+        }
+        for (size_t i = 0; i < expected.size(); ++i) {
+          ASSERT_NEAR(s[PolarBuffer::kX][i], expected[i], 1e-11 * (1.0 + std::abs(expected[i])));
+        }
+      }
+      for (const auto& stage : stages) {
+        if (stage.front().kind != PolarOp::Kind::kGemm) {
+          ASSERT_EQ(stage.size(), 1u);
+          continue;
+        }
+        for (size_t i = 0; i < stage.size(); ++i) {
+          ASSERT_EQ(stage[i].out.buffer, stage[0].out.buffer) << "a stage writes one buffer";
+          const auto out = elements(stage[i].out);
+          for (size_t j = 0; j < stage.size(); ++j) {
+            for (const PolarView& other : {stage[j].lhs, stage[j].rhs}) {
+              for (const auto& e : elements(other)) ASSERT_EQ(out.count(e), 0u) << "a panel reads what one writes";
+            }
+            if (j == i) continue;
+            for (const auto& e : elements(stage[j].out)) ASSERT_EQ(out.count(e), 0u) << "panels overlap";
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(GramPlan, EveryGemmMeetsCublasRules) {
+  for (int64_t rows = 1; rows <= 12; ++rows) {
+    for (int64_t cols = 1; cols <= 12; ++cols) {
+      const int64_t side = std::min(rows, cols);
+      for (int64_t blocks : {1, 2, 5}) {
+        for (const PolarOp& op : polar_plan(PolarMethod::kGram, rows, cols, polar_block_bounds(side, blocks), 5)) {
+          if (op.kind != PolarOp::Kind::kGemm) continue;
+          const ColumnMajorGemm g = to_column_major(op);
+          const int64_t a_rows = g.trans_a ? g.k : g.m, b_rows = g.trans_b ? g.n : g.k;
+          ASSERT_GE(g.lda, std::max<int64_t>(1, a_rows));
+          ASSERT_GE(g.ldb, std::max<int64_t>(1, b_rows));
+          ASSERT_GE(g.ldc, std::max<int64_t>(1, g.m));
+          ASSERT_NE(g.c, g.a);
+          ASSERT_NE(g.c, g.b);
+        }
+      }
+    }
+  }
+}
+
+TEST(GramPlan, SavesGemmWorkAtAspectRatioFour) {
+  // Multiply-adds of the plans on the CPU's blocks for 1024x4096, five steps.
+  auto work = [](PolarMethod method, int64_t rows, int64_t cols) {
+    const std::vector<int64_t> bounds = polar_block_bounds(std::min(rows, cols), polar_row_blocks_cpu(std::min(rows, cols)));
+    double total = 0;
+    for (const PolarOp& op : polar_plan(method, rows, cols, bounds, 5))
+      if (op.kind == PolarOp::Kind::kGemm) total += double(op.out.rows) * op.out.cols * op.lhs.cols;
+    return total;
+  };
+  const double ratio = work(PolarMethod::kStandard, 1024, 4096) / work(PolarMethod::kGram, 1024, 4096);
+  // Restarting before iterations 2 and 4: 34.1 s^3 against 24.9 s^3 multiply-adds.
+  EXPECT_GT(ratio, 1.3);
+  EXPECT_LT(ratio, 1.45);
+  EXPECT_EQ(work(PolarMethod::kGram, 4096, 1024), work(PolarMethod::kGram, 1024, 4096));
+  // Square: Gram costs more than it saves.
+  EXPECT_LT(work(PolarMethod::kStandard, 1024, 1024), work(PolarMethod::kGram, 1024, 1024));
+}
+
+TEST(GramPlan, StandardPlanRepeatsTheIteration) {
+  const std::vector<int64_t> bounds = polar_block_bounds(5, 2);
+  const std::vector<PolarOp> one = polar_iteration_plan(5, 9, bounds);
+  const std::vector<PolarOp> all = polar_plan(PolarMethod::kStandard, 5, 9, bounds, 3);
+  ASSERT_EQ(all.size(), 3 * one.size());
+  for (size_t i = 0; i < all.size(); ++i) EXPECT_EQ(all[i].step, int(i / one.size()));
+  EXPECT_FALSE(polar_plan_uses(all, PolarBuffer::kQ));
+  EXPECT_TRUE(polar_plan_uses(polar_plan(PolarMethod::kGram, 5, 9, bounds, 3), PolarBuffer::kQ));
+  EXPECT_TRUE(polar_plan(PolarMethod::kGram, 5, 9, bounds, 0).empty());
+}
+
+TEST(GramPlan, AutoRule) {
+  EXPECT_EQ(polar_method_for(PolarMethod::kStandard, 128, 4096), PolarMethod::kStandard);
+  EXPECT_EQ(polar_method_for(PolarMethod::kGram, 8, 8), PolarMethod::kGram);
+  EXPECT_EQ(polar_method_for(PolarMethod::kAuto, 1024, 4096), PolarMethod::kGram);
+  EXPECT_EQ(polar_method_for(PolarMethod::kAuto, 4096, 1024), PolarMethod::kGram);
+  EXPECT_EQ(polar_method_for(PolarMethod::kAuto, 1024, 4095), PolarMethod::kStandard);  // aspect below 4
+  EXPECT_EQ(polar_method_for(PolarMethod::kAuto, 1024, 2048), PolarMethod::kStandard);
+  EXPECT_EQ(polar_method_for(PolarMethod::kAuto, 256, 4096), PolarMethod::kStandard);  // short side below 512
+  EXPECT_EQ(polar_method_for(PolarMethod::kAuto, 512, 2048), PolarMethod::kGram);
+  EXPECT_TRUE(polar_gram_restarts_before(2));
+  EXPECT_TRUE(polar_gram_restarts_before(4));
+  EXPECT_FALSE(polar_gram_restarts_before(0));
+  EXPECT_FALSE(polar_gram_restarts_before(3));
 }
 
 }  // namespace

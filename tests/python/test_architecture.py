@@ -104,7 +104,8 @@ def test_mode_aliases_name_the_cpp_table():
     """The Literal aliases of _types are type hints only; the accepted values
     come from the C++ table, and the two must agree."""
     aliases = {"master": _types.MasterMode, "lr_scale": _types.LrScale, "matrix_view": _types.MatrixView,
-               "grad_attr": _types.GradAttr, "polar_dtype": _types.PolarDtype}
+               "grad_attr": _types.GradAttr, "polar_dtype": _types.PolarDtype,
+               "polar_method": _types.PolarMethod}
     assert set(schema.MODES) == set(aliases)
     for mode, alias in aliases.items():
         assert typing.get_args(alias) == schema.MODES[mode], mode
