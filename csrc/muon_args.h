@@ -20,6 +20,7 @@
 
 #include "common/adamw_math.h"
 #include "common/muon_math.h"
+#include "common/shapes.h"
 
 namespace muon_ext {
 
@@ -42,9 +43,9 @@ struct MuonBucket {
 
   int64_t matrix_numel() const { return rows * cols; }
   // Length of NorMuon's statistics per matrix: one per row (rows >= cols) or per column.
-  int64_t stat_length() const { return rows >= cols ? rows : cols; }
+  int64_t stat_length() const { return shapes::stat_length(rows, cols); }
   // Length of the dimension NorMuon averages over.
-  int64_t reduced_length() const { return rows >= cols ? cols : rows; }
+  int64_t reduced_length() const { return shapes::reduced_length(rows, cols); }
 };
 
 struct MuonStepOptions {
@@ -92,8 +93,8 @@ struct MuonOrthogonalizeArgs {
   c10::optional<at::Tensor> found_inf;
 
   int64_t matrix_numel() const { return rows * cols; }
-  int64_t stat_length() const { return rows >= cols ? rows : cols; }
-  int64_t reduced_length() const { return rows >= cols ? cols : rows; }
+  int64_t stat_length() const { return shapes::stat_length(rows, cols); }
+  int64_t reduced_length() const { return shapes::reduced_length(rows, cols); }
 };
 
 // Phase 3.  params (one float dtype), updates (FP32) and masters (as in

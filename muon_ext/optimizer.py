@@ -214,7 +214,7 @@ class MuonAdamW(torch.optim.Optimizer):
         this step did, their outputs are stale)."""
         if not self._states.stale_writers:
             return
-        ran = {id(p) for item, _ in work for p in item.params if not item.bucket.writes_params}
+        ran = {id(p) for item, *_ in work for p in item.params if not item.bucket.writes_params}
         retry = [info for key, info in self._states.stale_writers.items() if key not in ran]
         if retry:
             self._runner.drain()  # staged: the step's copies of the masters back to their slabs

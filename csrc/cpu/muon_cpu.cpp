@@ -29,6 +29,7 @@
 #include "../common/bits.h"
 #include "../common/polar_plan.h"
 #include "../common/remainder.h"
+#include "../common/shapes.h"
 #include "polar_small.h"
 #include "scalar_io.h"
 #include "scalar_kind.h"
@@ -394,8 +395,8 @@ void polar_express(at::Tensor& x, const std::vector<std::array<float, 3>>& coeff
 template <typename SecondMoment>
 void normuon_multipliers(int64_t rows, int64_t cols, float beta2, int64_t count, const float* xs,
                          const SecondMoment& second_moment, std::vector<float>& mult) {
-  const int64_t len = rows >= cols ? rows : cols, red = rows >= cols ? cols : rows;
-  const bool per_row = rows >= cols;
+  const int64_t len = shapes::stat_length(rows, cols), red = shapes::reduced_length(rows, cols);
+  const bool per_row = shapes::stats_per_row(rows, cols);
   mult.assign(count * len, 0.0f);
   at::parallel_for(0, count, 1, [&](int64_t first, int64_t last) {
     std::vector<double> sums(len);
@@ -509,8 +510,8 @@ void apply_update(const MuonBucket& b, const std::vector<MatrixRef>& mats, const
 // NorMuon's multipliers folded into X: x = x * mult[row or col], the product
 // the fused apply forms, so phase 3 reads the same update values.
 void fold_multipliers(float* xs, int64_t count, int64_t rows, int64_t cols, const std::vector<float>& mult) {
-  const int64_t n = rows * cols, len = rows >= cols ? rows : cols;
-  const bool per_row = rows >= cols;
+  const int64_t n = rows * cols, len = shapes::stat_length(rows, cols);
+  const bool per_row = shapes::stats_per_row(rows, cols);
   for_each_matrix_range(count, n, [&](int64_t j, int64_t begin, int64_t end) {
     float* x = xs + j * n;
     const float* m = mult.data() + j * len;
@@ -532,7 +533,9 @@ void muon_step(const MuonBucket& b, const MuonStepOptions& o) {
   if (all.empty()) return;
 
   const float inv_scale = o.inv_scale.has_value() ? o.inv_scale->item<float>() : 1.0f;
-  const float lr = (o.lr_tensor.has_value() ? o.lr_tensor->item<float>() : static_cast<float>(o.lr)) * o.lr_factor;
+  // The op read a tensor lr on the host once (ops.cpp, host_lr) and passes its value.
+  TORCH_INTERNAL_ASSERT(!o.lr_tensor.has_value(), "cpu::muon_step takes the lr as a value");
+  const float lr = static_cast<float>(o.lr) * o.lr_factor;
   const float lr_wd = lr * o.hyper.weight_decay;
 
   // Scratch per matrix: X, and for Polar-Express A, B (side^2) plus the next X

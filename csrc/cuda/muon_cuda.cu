@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "../common/muon_math.h"
+#include "../common/shapes.h"
 #include "multi_tensor_apply.cuh"
 #include "muon_pointers.cuh"
 #include "polar_express_cuda.h"
@@ -552,7 +553,7 @@ class MatrixChunks {
     matrices_ = list_matrices(tensors, numel_);
     total_ = int64_t(matrices_.size());
     if (total_ == 0) return;
-    stat_length_ = spec.rows >= spec.cols ? spec.rows : spec.cols;
+    stat_length_ = shapes::stat_length(spec.rows, spec.cols);
     blocks_per_matrix_ = ceil_div(numel_, kElementsPerBlock);
 
     // All scratch of one matrix: X, the Polar-Express buffers, the partial sums
@@ -650,7 +651,7 @@ class MatrixChunks {
       const auto* x_bits = static_cast<const typename W::storage*>(x_.const_data_ptr());
       const int64_t rows = spec_.rows, cols = spec_.cols;
       const dim3 sum_grid(unsigned(count * sum_groups_)), sum_block(kWarpSize, kSumRows);
-      if (rows >= cols) {
+      if (shapes::stats_per_row(rows, cols)) {
         normuon_row_sums_kernel<W><<<sum_grid, sum_block, 0, stream>>>(x_bits, rows, cols, sum_groups_,
                                                                      stats_.mutable_data_ptr<float>(), spec_.found_inf);
       } else {
@@ -660,7 +661,7 @@ class MatrixChunks {
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       const NorMuonArgs normuon{.one_minus_beta2 = 1.0f - spec_.beta2,
                                 .stat_length = stat_length_,
-                                .reduced_length = rows >= cols ? cols : rows,
+                                .reduced_length = shapes::reduced_length(rows, cols),
                                 .stats = stats_.mutable_data_ptr<float>(),
                                 .found_inf = spec_.found_inf};
       for_each_matrix_group<1>(matrices_, begin, end, {spec_.second_moments}, stat_length_,

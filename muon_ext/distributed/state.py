@@ -17,7 +17,7 @@ import torch
 
 from .._types import ParamInfo, is_dtensor
 from .. import ops
-from .._shapes import matrix_shape
+from .._shapes import matrix_shape, stats_per_row
 from .placements import is_split, layout_of, local
 
 __all__ = ["zeros", "wrap", "check_values", "stats_follow_rows"]
@@ -26,8 +26,7 @@ __all__ = ["zeros", "wrap", "check_values", "stats_follow_rows"]
 def stats_follow_rows(p, matrix_view: str) -> bool:
     """Whether the NorMuon statistics of Muon param `p` are one per row ((rows, 1), placed like the param)
     rather than one per column ((1, cols), replicated)."""
-    rows, cols = matrix_shape(p, matrix_view, "")
-    return rows >= cols
+    return stats_per_row(*matrix_shape(p, matrix_view, ""))
 
 
 def zeros(p, shape, dtype: torch.dtype, like_param: bool = True, rows_only: bool = False):
