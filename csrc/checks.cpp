@@ -240,22 +240,22 @@ at::ScalarType float_list_dtype(const char* op, const TensorList& list, const ch
   return dtype;
 }
 
-MasterKind master_kind(const char* op, const TensorList& masters, at::ScalarType param_dtype) {
-  if (masters.empty()) return MasterKind::kNone;
+MasterMode master_mode(const char* op, const TensorList& masters, at::ScalarType param_dtype) {
+  if (masters.empty()) return MasterMode::kNone;
   TORCH_CHECK_VALUE(masters[0].defined(), op, ": masters[0] is undefined");
   const at::ScalarType dtype = masters[0].scalar_type();
   if (dtype == at::kFloat) {
     TORCH_CHECK_TYPE(param_dtype != at::kFloat, op, ": float32 params are their own master; pass masters=[] for them");
-    return MasterKind::kFP32;
+    return MasterMode::kFP32;
   }
   if (dtype == at::kShort) {
     TORCH_CHECK_TYPE(param_dtype == at::kBFloat16, op, ": int16 remainders (masters) need bfloat16 params, got ",
                      param_dtype);
-    return MasterKind::kRemainder;
+    return MasterMode::kRemainder;
   }
   TORCH_CHECK_TYPE(false, op, ": masters[0] has dtype ", dtype,
                    "; expected float32 (FP32 masters) or int16 (BF16 remainders)");
-  return MasterKind::kNone;
+  return MasterMode::kNone;
 }
 
 void scalar_tensor(const char* op, const c10::optional<at::Tensor>& t, const char* name, const at::Device& device) {

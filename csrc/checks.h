@@ -88,7 +88,7 @@ void in_range(const char* op, const char* kind, const char* name, double value, 
 at::ScalarType float_list_dtype(const char* op, const TensorList& list, const char* name);
 
 // Masters (empty, FP32 or int16 remainders) for params of `param_dtype`.
-MasterKind master_kind(const char* op, const TensorList& masters, at::ScalarType param_dtype);
+MasterMode master_mode(const char* op, const TensorList& masters, at::ScalarType param_dtype);
 
 // An optional one-element FP32 tensor on `device` (lr, inv_scale, found_inf),
 // its storage holding the element.
@@ -110,7 +110,7 @@ class CheckedBucket {
     const c10::TensorImpl* impl;
     const void* data;
     int64_t storage_bytes;
-    uint32_t version;
+    int64_t version;
     bool operator==(const Entry& other) const {
       return impl == other.impl && data == other.data && storage_bytes == other.storage_bytes &&
              version == other.version;

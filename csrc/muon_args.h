@@ -38,7 +38,7 @@ struct MuonBucket {
   // else [..., 1, cols], and the list is empty when NorMuon is off; masters is
   // empty (kNone), FP32 (kFP32) or int16 remainders (kRemainder), param-shaped.
   std::vector<at::Tensor> params, grads, momentum_buffers, second_momentum_buffers, masters;
-  MasterKind master_kind = MasterKind::kNone;
+  MasterMode master_mode = MasterMode::kNone;
   int64_t rows = 0, cols = 0;
 
   int64_t matrix_numel() const { return rows * cols; }
@@ -103,7 +103,7 @@ struct MuonOrthogonalizeArgs {
 // with lr' = (lr_tensor ? *lr_tensor : lr) * lr_factor, rounded to FP32 first.
 struct MuonApplyArgs {
   std::vector<at::Tensor> params, updates, masters;
-  MasterKind master_kind = MasterKind::kNone;
+  MasterMode master_mode = MasterMode::kNone;
   double lr = 0.0;
   c10::optional<at::Tensor> lr_tensor;
   float lr_factor = 1.0f;

@@ -31,7 +31,7 @@
 #include "cpu/scalar_kind.h"
 #include "muon_args.h"
 #include "quantize_ops.h"
-#include "remainder_ops.h"
+#include "remainder_kernels.h"
 #if defined(MUON_EXT_WITH_CUDA)
 #include "cuda/adamw_cuda.h"
 #include "cuda/muon_cuda.h"
@@ -79,10 +79,10 @@ const char* params_role(const checks::CheckedBucket& checked) {
   return checked.has("params") ? "params" : "master_param";
 }
 
-// Validates every argument and returns the master kind they describe.
+// Validates every argument and returns the master mode they describe.
 // `checked`: the step check's token; where it covers these lists, the
 // per-entry and byte-range checks it made are not made again.
-MasterKind check_adamw_args(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
+MasterMode check_adamw_args(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
                             const TensorList& exp_avg_sqs, const TensorList& masters, const TensorList& steps,
                             const OptionalTensor& lr_tensor, const OptionalTensor& inv_scale,
                             const OptionalTensor& found_inf, checks::CheckedBucket* checked) {
@@ -90,7 +90,7 @@ MasterKind check_adamw_args(const TensorList& params, const TensorList& grads, c
   checks::same_lengths(kAdamW, n,
                        {{"grads", grads.size()}, {"exp_avgs", exp_avgs.size()}, {"exp_avg_sqs", exp_avg_sqs.size()}, {"steps", steps.size()}});
   checks::optional_list_length(kAdamW, masters, "masters", n);
-  if (n == 0) return MasterKind::kNone;
+  if (n == 0) return MasterMode::kNone;
 
   const bool proven = checked != nullptr &&
                       checked->covers({{params_role(*checked), params}, {"grads", grads}, {"exp_avg", exp_avgs},
@@ -99,8 +99,8 @@ MasterKind check_adamw_args(const TensorList& params, const TensorList& grads, c
   const at::Device device = proven ? params[0].device() : checks::params(kAdamW, params);
   if (proven) checks::device(kAdamW, device, "params");
   const at::ScalarType grad_dtype = checks::float_list_dtype(kAdamW, grads, "grads");
-  const MasterKind kind = checks::master_kind(kAdamW, masters, params[0].scalar_type());
-  const at::ScalarType master_dtype = kind == MasterKind::kRemainder ? at::kShort : at::kFloat;
+  const MasterMode master_mode = checks::master_mode(kAdamW, masters, params[0].scalar_type());
+  const at::ScalarType master_dtype = master_mode == MasterMode::kRemainder ? at::kShort : at::kFloat;
   for (size_t i = 0; i < n && !proven; ++i) {
     const at::Tensor& p = params[i];
     checks::companion(kAdamW, grads[i], p, "grads", i, grad_dtype, p.sizes());
@@ -117,16 +117,16 @@ MasterKind check_adamw_args(const TensorList& params, const TensorList& grads, c
   checks::scalar_tensor(kAdamW, lr_tensor, "lr", device);
   checks::scalar_tensor(kAdamW, inv_scale, "inv_scale", device);
   checks::scalar_tensor(kAdamW, found_inf, "found_inf", device);
-  return kind;
+  return master_mode;
 }
 
 void adamw_step_cpu(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
                     const TensorList& exp_avg_sqs, const TensorList& masters, const TensorList& steps,
-                    MasterKind kind, const AdamWHyper& hyper, float lr, float inv_scale) {
+                    MasterMode master_mode, const AdamWHyper& hyper, float lr, float inv_scale) {
   cpu::AdamWBatch batch;
   batch.param_kind = cpu::scalar_kind(params[0].scalar_type());
   batch.grad_kind = cpu::scalar_kind(grads[0].scalar_type());
-  batch.master_kind = kind;
+  batch.master_mode = master_mode;
   batch.tensors.reserve(params.size());
   for (size_t i = 0; i < params.size(); ++i) {
     cpu::AdamWTensor t;
@@ -139,7 +139,7 @@ void adamw_step_cpu(const TensorList& params, const TensorList& grads, const Ten
     t.numel = params[i].numel();
     batch.tensors.push_back(t);
   }
-  cpu::adamw_step(batch, hyper, lr, inv_scale);
+  cpu::adamw_step(batch, hyper, lr, inv_scale, cpu::best_capability());
 }
 
 }  // namespace
@@ -165,7 +165,7 @@ void adamw_step(at::TensorList params_in, at::TensorList grads_in, at::TensorLis
   hyper.bias_correction = bias_correction;
   const TensorList params = params_in, grads = grads_in, exp_avgs = exp_avgs_in, exp_avg_sqs = exp_avg_sqs_in,
                    masters = masters_in, steps = steps_in;
-  const MasterKind kind =
+  const MasterMode master_mode =
       check_adamw_args(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr_tensor, inv_scale, found_inf, checked);
 
   switch (backend_of(params)) {
@@ -174,12 +174,12 @@ void adamw_step(at::TensorList params_in, at::TensorList grads_in, at::TensorLis
       if (found_inf_on_cpu(found_inf)) return;
       const float lr_value = host_lr(lr_tensor, lr, kAdamW);
       const float inv_scale_value = inv_scale.has_value() ? inv_scale->item<float>() : 1.0f;
-      adamw_step_cpu(params, grads, exp_avgs, exp_avg_sqs, masters, steps, kind, hyper, lr_value, inv_scale_value);
+      adamw_step_cpu(params, grads, exp_avgs, exp_avg_sqs, masters, steps, master_mode, hyper, lr_value, inv_scale_value);
       return;
     }
     case Backend::kCuda:
 #if defined(MUON_EXT_WITH_CUDA)
-      cuda::adamw_step(params.vec(), grads.vec(), exp_avgs.vec(), exp_avg_sqs.vec(), masters.vec(), steps.vec(), kind,
+      cuda::adamw_step(params.vec(), grads.vec(), exp_avgs.vec(), exp_avg_sqs.vec(), masters.vec(), steps.vec(), master_mode,
                        hyper, lr, lr_tensor, inv_scale, found_inf);
 #endif
       return;
@@ -302,8 +302,8 @@ void check_muon_bucket(MuonBucket& bucket, const MuonStepOptions& options, check
   const at::Device device = proven ? params[0].device() : checks::params(kMuon, params);
   if (proven) checks::device(kMuon, device, "params");
   const at::ScalarType grad_dtype = checks::float_list_dtype(kMuon, bucket.grads, "grads");
-  bucket.master_kind = checks::master_kind(kMuon, bucket.masters, params[0].scalar_type());
-  const at::ScalarType master_dtype = bucket.master_kind == MasterKind::kRemainder ? at::kShort : at::kFloat;
+  bucket.master_mode = checks::master_mode(kMuon, bucket.masters, params[0].scalar_type());
+  const at::ScalarType master_dtype = bucket.master_mode == MasterMode::kRemainder ? at::kShort : at::kFloat;
   std::tie(bucket.rows, bucket.cols) = check_matrix_shapes(kMuon, params, "params");
   check_second_moments(kMuon, bucket.second_momentum_buffers, params, "params", options.hyper.normuon, bucket.rows,
                        bucket.cols, proven);
@@ -502,8 +502,8 @@ void muon_apply_op(at::TensorList params, at::TensorList updates, at::TensorList
   checks::optional_list_length(kApply, args.masters, "masters", n);
   if (n == 0) return;
   const at::Device device = checks::params(kApply, args.params, "params");
-  args.master_kind = checks::master_kind(kApply, args.masters, args.params[0].scalar_type());
-  const at::ScalarType master_dtype = args.master_kind == MasterKind::kRemainder ? at::kShort : at::kFloat;
+  args.master_mode = checks::master_mode(kApply, args.masters, args.params[0].scalar_type());
+  const at::ScalarType master_dtype = args.master_mode == MasterMode::kRemainder ? at::kShort : at::kFloat;
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& p = args.params[i];
     checks::companion(kApply, args.updates[i], p, "updates", i, at::kFloat, p.sizes());
