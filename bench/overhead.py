@@ -10,6 +10,10 @@ To compare two trees (issue #20's before/after), run this file from each with
 PYTHONPATH pointing at the tree, alternating, several times:
 
     for i in 1 2 3; do for t in /tmp/before .; do PYTHONPATH=$t python bench/overhead.py --label $t; done; done
+
+`--entry torch_ops` sends the two step ops through torch.ops.muon_ext.* instead
+of their pybind eager entries (muon_ext.ops._entry), to measure what the
+eager entry saves (docs/design.md, "Ops (torch.library)").
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--gpt-steps", type=int, default=20)
     parser.add_argument("--label", default="")
+    parser.add_argument("--entry", choices=("eager", "torch_ops"), default="eager")
     parser.add_argument("--tiny-only", action="store_true",
                         help="only the tiny-params case, --steps steps after 5 warm-up steps, no timing output "
                              "(for instruction counts: run under valgrind --tool=callgrind at two --steps and "
@@ -72,13 +77,16 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     import muon_ext
+    if args.entry == "torch_ops":
+        from muon_ext import ops
+        ops._entry = lambda name, first, checked: (getattr(torch.ops.muon_ext, name), {})
     if args.tiny_only:
         from muon_ext import MuonAdamW
         opt = MuonAdamW(tiny_params())
         for _ in range(5 + args.steps):
             opt.step()
         return
-    result = {"label": args.label, "muon_ext": muon_ext.__file__,
+    result = {"label": args.label, "entry": args.entry, "muon_ext": muon_ext.__file__,
               "tiny_1000": measure(tiny_params(), args.steps),
               "gpt_d128_L2_bf16": measure(gpt_params(), args.gpt_steps)}
     print(json.dumps(result))

@@ -89,6 +89,36 @@ void storage(const char* op, const at::Tensor& t, const std::string& name) {
   TORCH_CHECK_VALUE(false, op, ": ", name, ": ", storage_problem(t));
 }
 
+std::optional<CheckedBucket::Entry> CheckedBucket::entry_of(const at::Tensor& t) {
+  if (!t.defined() || t.is_inference()) return std::nullopt;
+  const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  const int64_t bytes =
+      impl->has_storage() && impl->unsafe_storage() ? static_cast<int64_t>(impl->unsafe_storage().nbytes()) : -1;
+  return Entry{impl, t.is_meta() ? nullptr : t.const_data_ptr(), bytes, t._version()};
+}
+
+bool CheckedBucket::has(const char* role) const {
+  return std::any_of(lists_.begin(), lists_.end(), [&](const auto& l) { return l.first == role; });
+}
+
+bool CheckedBucket::covers(std::initializer_list<std::pair<const char*, TensorList>> lists) {
+  if (!valid_) return false;
+  for (const auto& [role, list] : lists) {
+    if (role[0] == '\0') {
+      if (!list.empty()) return false;
+      continue;
+    }
+    const auto recorded = std::find_if(lists_.begin(), lists_.end(), [&](const auto& l) { return l.first == role; });
+    if (recorded == lists_.end() || recorded->second.size() != list.size()) return false;
+    for (size_t i = 0; i < list.size(); ++i) {
+      const std::optional<Entry> entry = entry_of(list[i]);
+      if (!entry.has_value() || !(*entry == recorded->second[i])) return false;
+    }
+  }
+  valid_ = false;  // single use
+  return true;
+}
+
 void MemoryRanges::add(const at::Tensor& t, int64_t group, int64_t index) {
   uint64_t needed = 0;
   if (t.is_meta() || !bytes_needed(t, &needed) || needed == 0) return;
@@ -176,15 +206,29 @@ void disjoint(const char* op, std::initializer_list<std::pair<const char*, Tenso
                     where(name_of(first.first), first.second), " (their memory overlaps)");
 }
 
+Fault tensor_fault(const at::Tensor& t, at::ScalarType dtype, const at::Device& device,
+                   std::optional<at::IntArrayRef> sizes) {
+  if (t.layout() != at::kStrided) return Fault::kLayout;
+  if (t.scalar_type() != dtype) return Fault::kDtype;
+  if (t.device() != device) return Fault::kDevice;
+  if (sizes.has_value() ? t.sizes() != *sizes : t.numel() != 1) return Fault::kShape;
+  if (!t.is_contiguous()) return Fault::kContiguous;
+  if (!storage_holds(t)) return Fault::kStorage;
+  return Fault::kNone;
+}
+
 void companion(const char* op, const at::Tensor& t, const at::Tensor& like, const char* list, size_t index,
                at::ScalarType dtype, at::IntArrayRef sizes, const char* base) {
-  const std::string name = where(list, index);
-  TORCH_CHECK_VALUE(t.defined(), op, ": ", name, " is undefined");
-  TORCH_CHECK_TYPE(t.scalar_type() == dtype, op, ": ", name, " has dtype ", t.scalar_type(), ", expected ", dtype);
-  TORCH_CHECK_VALUE(t.device() == like.device(), op, ": ", name, " is on ", t.device(), " but ", base, "[", index,
+  TORCH_CHECK_VALUE(t.defined(), op, ": ", where(list, index), " is undefined");
+  const Fault fault = tensor_fault(t, dtype, like.device(), sizes);
+  if (C10_LIKELY(fault == Fault::kNone)) return;
+  const std::string name = where(list, index);  // built only for the message
+  TORCH_CHECK_TYPE(fault != Fault::kLayout, op, ": ", name, " has layout ", t.layout(), "; expected strided");
+  TORCH_CHECK_TYPE(fault != Fault::kDtype, op, ": ", name, " has dtype ", t.scalar_type(), ", expected ", dtype);
+  TORCH_CHECK_VALUE(fault != Fault::kDevice, op, ": ", name, " is on ", t.device(), " but ", base, "[", index,
                     "] is on ", like.device());
-  TORCH_CHECK_VALUE(t.sizes() == sizes, op, ": ", name, " has shape ", t.sizes(), ", expected ", sizes);
-  TORCH_CHECK_VALUE(t.is_contiguous(), op, ": ", name, " must be contiguous");
+  TORCH_CHECK_VALUE(fault != Fault::kShape, op, ": ", name, " has shape ", t.sizes(), ", expected ", sizes);
+  TORCH_CHECK_VALUE(fault != Fault::kContiguous, op, ": ", name, " must be contiguous");
   storage(op, t, name);
 }
 
@@ -196,22 +240,22 @@ at::ScalarType float_list_dtype(const char* op, const TensorList& list, const ch
   return dtype;
 }
 
-MasterKind master_kind(const char* op, const TensorList& masters, at::ScalarType param_dtype) {
-  if (masters.empty()) return MasterKind::kNone;
+MasterMode master_mode(const char* op, const TensorList& masters, at::ScalarType param_dtype) {
+  if (masters.empty()) return MasterMode::kNone;
   TORCH_CHECK_VALUE(masters[0].defined(), op, ": masters[0] is undefined");
   const at::ScalarType dtype = masters[0].scalar_type();
   if (dtype == at::kFloat) {
     TORCH_CHECK_TYPE(param_dtype != at::kFloat, op, ": float32 params are their own master; pass masters=[] for them");
-    return MasterKind::kFP32;
+    return MasterMode::kFP32;
   }
   if (dtype == at::kShort) {
     TORCH_CHECK_TYPE(param_dtype == at::kBFloat16, op, ": int16 remainders (masters) need bfloat16 params, got ",
                      param_dtype);
-    return MasterKind::kRemainder;
+    return MasterMode::kRemainder;
   }
   TORCH_CHECK_TYPE(false, op, ": masters[0] has dtype ", dtype,
                    "; expected float32 (FP32 masters) or int16 (BF16 remainders)");
-  return MasterKind::kNone;
+  return MasterMode::kNone;
 }
 
 void scalar_tensor(const char* op, const c10::optional<at::Tensor>& t, const char* name, const at::Device& device) {

@@ -10,6 +10,7 @@
 #include <c10/util/Optional.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -64,9 +65,18 @@ at::Device params(const char* op, const TensorList& params, const char* name = "
 // error names both entries.  Lists already checked entry by entry.
 void disjoint(const char* op, std::initializer_list<std::pair<const char*, TensorList>> lists);
 
+// What is wrong with a tensor that must be strided, of `dtype`, on `device`,
+// of shape `sizes` (nullopt: one element, any shape), contiguous and held by
+// its storage: the first fault in that order.  The one rule for a companion
+// tensor, used by the ops (companion, below) and by the step's state checks
+// (step_checks.cpp).
+enum class Fault { kNone, kLayout, kDtype, kDevice, kShape, kContiguous, kStorage };
+Fault tensor_fault(const at::Tensor& t, at::ScalarType dtype, const at::Device& device,
+                   std::optional<at::IntArrayRef> sizes);
+
 // A per-element or per-param companion of base[i] (a list named `base`):
 // defined, of dtype `dtype`, on base[i]'s device, of shape `sizes`, contiguous,
-// its storage holding its elements.
+// its storage holding its elements (tensor_fault).
 void companion(const char* op, const at::Tensor& t, const at::Tensor& like, const char* list, size_t index,
                at::ScalarType dtype, at::IntArrayRef sizes, const char* base = "params");
 
@@ -78,7 +88,7 @@ void in_range(const char* op, const char* kind, const char* name, double value, 
 at::ScalarType float_list_dtype(const char* op, const TensorList& list, const char* name);
 
 // Masters (empty, FP32 or int16 remainders) for params of `param_dtype`.
-MasterKind master_kind(const char* op, const TensorList& masters, at::ScalarType param_dtype);
+MasterMode master_mode(const char* op, const TensorList& masters, at::ScalarType param_dtype);
 
 // An optional one-element FP32 tensor on `device` (lr, inv_scale, found_inf),
 // its storage holding the element.
@@ -86,6 +96,42 @@ void scalar_tensor(const char* op, const c10::optional<at::Tensor>& t, const cha
 
 // Distinct tensors (step counters would be bumped twice otherwise).
 void distinct(const char* op, const TensorList& list, const char* name);
+
+// A single-use token of the optimizer's step check (step_checks.h), bound to
+// the very tensors it checked, by role ("params", "grads" or a state key):
+// tells the step ops (ops.cpp) that the per-entry and byte-range checks of
+// their lists were made.  It covers nothing where the op's lists are not
+// exactly the recorded tensors in order, unchanged since (same storage bytes,
+// data pointer and version), where it was used once already, or after the
+// planner's next plan (invalidate).  An op called without it checks everything.
+class CheckedBucket {
+ public:
+  struct Entry {
+    const c10::TensorImpl* impl;
+    const void* data;
+    int64_t storage_bytes;
+    int64_t version;
+    bool operator==(const Entry& other) const {
+      return impl == other.impl && data == other.data && storage_bytes == other.storage_bytes &&
+             version == other.version;
+    }
+  };
+  // Null for a tensor that cannot be recorded (undefined; inference tensors keep no version).
+  static std::optional<Entry> entry_of(const at::Tensor& t);
+
+  void record(std::string role, std::vector<Entry> entries) { lists_.emplace_back(std::move(role), std::move(entries)); }
+  // The op's lists as (role, list), an empty role for a list that must be
+  // empty: true, once, when every list holds exactly the recorded tensors.
+  bool covers(std::initializer_list<std::pair<const char*, TensorList>> lists);
+  // Whether `role` was recorded.
+  bool has(const char* role) const;
+  void invalidate() { valid_ = false; }
+  bool valid() const { return valid_; }
+
+ private:
+  std::vector<std::pair<std::string, std::vector<Entry>>> lists_;
+  bool valid_ = true;
+};
 
 // Byte ranges of tensors, to find two that overlap in memory (two params
 // written by one call, or by one optimizer step).  Entries are tagged with

@@ -21,6 +21,7 @@
 #include "common/adamw_math.h"
 #include "common/muon_math.h"
 #include "common/polar_plan.h"
+#include "common/shapes.h"
 
 namespace muon_ext {
 
@@ -38,14 +39,14 @@ struct MuonBucket {
   // else [..., 1, cols], and the list is empty when NorMuon is off; masters is
   // empty (kNone), FP32 (kFP32) or int16 remainders (kRemainder), param-shaped.
   std::vector<at::Tensor> params, grads, momentum_buffers, second_momentum_buffers, masters;
-  MasterKind master_kind = MasterKind::kNone;
+  MasterMode master_mode = MasterMode::kNone;
   int64_t rows = 0, cols = 0;
 
   int64_t matrix_numel() const { return rows * cols; }
   // Length of NorMuon's statistics per matrix: one per row (rows >= cols) or per column.
-  int64_t stat_length() const { return rows >= cols ? rows : cols; }
+  int64_t stat_length() const { return shapes::stat_length(rows, cols); }
   // Length of the dimension NorMuon averages over.
-  int64_t reduced_length() const { return rows >= cols ? cols : rows; }
+  int64_t reduced_length() const { return shapes::reduced_length(rows, cols); }
 };
 
 struct MuonStepOptions {
@@ -95,8 +96,8 @@ struct MuonOrthogonalizeArgs {
   c10::optional<at::Tensor> found_inf;
 
   int64_t matrix_numel() const { return rows * cols; }
-  int64_t stat_length() const { return rows >= cols ? rows : cols; }
-  int64_t reduced_length() const { return rows >= cols ? cols : rows; }
+  int64_t stat_length() const { return shapes::stat_length(rows, cols); }
+  int64_t reduced_length() const { return shapes::reduced_length(rows, cols); }
 };
 
 // Phase 3.  params (one float dtype), updates (FP32) and masters (as in
@@ -105,7 +106,7 @@ struct MuonOrthogonalizeArgs {
 // with lr' = (lr_tensor ? *lr_tensor : lr) * lr_factor, rounded to FP32 first.
 struct MuonApplyArgs {
   std::vector<at::Tensor> params, updates, masters;
-  MasterKind master_kind = MasterKind::kNone;
+  MasterMode master_mode = MasterMode::kNone;
   double lr = 0.0;
   c10::optional<at::Tensor> lr_tensor;
   float lr_factor = 1.0f;

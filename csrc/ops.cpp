@@ -25,12 +25,13 @@
 #include "common/muon_math.h"
 #include "common/polar_plan.h"
 #include "common/schema.h"
+#include "common/shapes.h"
 #include "cpu/adamw_cpu.h"
 #include "cpu/muon_cpu.h"
 #include "cpu/scalar_kind.h"
 #include "muon_args.h"
 #include "quantize_ops.h"
-#include "remainder_ops.h"
+#include "remainder_kernels.h"
 #if defined(MUON_EXT_WITH_CUDA)
 #include "cuda/adamw_cuda.h"
 #include "cuda/muon_cuda.h"
@@ -72,22 +73,35 @@ Backend backend_of(const TensorList& params) {
 
 constexpr const char* kAdamW = "adamw_step";
 
-// Validates every argument and returns the master kind they describe.
-MasterKind check_adamw_args(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
+// The role under which the step check recorded the lists an op takes as its
+// params: the params themselves, or (params with a writer) their FP32 masters.
+const char* params_role(const checks::CheckedBucket& checked) {
+  return checked.has("params") ? "params" : "master_param";
+}
+
+// Validates every argument and returns the master mode they describe.
+// `checked`: the step check's token; where it covers these lists, the
+// per-entry and byte-range checks it made are not made again.
+MasterMode check_adamw_args(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
                             const TensorList& exp_avg_sqs, const TensorList& masters, const TensorList& steps,
                             const OptionalTensor& lr_tensor, const OptionalTensor& inv_scale,
-                            const OptionalTensor& found_inf) {
+                            const OptionalTensor& found_inf, checks::CheckedBucket* checked) {
   const size_t n = params.size();
   checks::same_lengths(kAdamW, n,
                        {{"grads", grads.size()}, {"exp_avgs", exp_avgs.size()}, {"exp_avg_sqs", exp_avg_sqs.size()}, {"steps", steps.size()}});
   checks::optional_list_length(kAdamW, masters, "masters", n);
-  if (n == 0) return MasterKind::kNone;
+  if (n == 0) return MasterMode::kNone;
 
-  const at::Device device = checks::params(kAdamW, params);
+  const bool proven = checked != nullptr &&
+                      checked->covers({{params_role(*checked), params}, {"grads", grads}, {"exp_avg", exp_avgs},
+                                       {"exp_avg_sq", exp_avg_sqs}, {"step", steps},
+                                       {masters.empty() ? "" : "master_param", masters}});
+  const at::Device device = proven ? params[0].device() : checks::params(kAdamW, params);
+  if (proven) checks::device(kAdamW, device, "params");
   const at::ScalarType grad_dtype = checks::float_list_dtype(kAdamW, grads, "grads");
-  const MasterKind kind = checks::master_kind(kAdamW, masters, params[0].scalar_type());
-  const at::ScalarType master_dtype = kind == MasterKind::kRemainder ? at::kShort : at::kFloat;
-  for (size_t i = 0; i < n; ++i) {
+  const MasterMode master_mode = checks::master_mode(kAdamW, masters, params[0].scalar_type());
+  const at::ScalarType master_dtype = master_mode == MasterMode::kRemainder ? at::kShort : at::kFloat;
+  for (size_t i = 0; i < n && !proven; ++i) {
     const at::Tensor& p = params[i];
     checks::companion(kAdamW, grads[i], p, "grads", i, grad_dtype, p.sizes());
     checks::companion(kAdamW, exp_avgs[i], p, "exp_avgs", i, at::kFloat, p.sizes());
@@ -95,22 +109,24 @@ MasterKind check_adamw_args(const TensorList& params, const TensorList& grads, c
     if (!masters.empty()) checks::companion(kAdamW, masters[i], p, "masters", i, master_dtype, p.sizes());
     checks::scalar_tensor(kAdamW, steps[i], where("steps", i).c_str(), device);
   }
-  checks::distinct(kAdamW, steps, "steps");
-  checks::disjoint(kAdamW, {{"params", params}, {"exp_avgs", exp_avgs}, {"exp_avg_sqs", exp_avg_sqs},
-                            {"masters", masters}, {"steps", steps}});
+  if (!proven) {
+    checks::distinct(kAdamW, steps, "steps");
+    checks::disjoint(kAdamW, {{"params", params}, {"exp_avgs", exp_avgs}, {"exp_avg_sqs", exp_avg_sqs},
+                              {"masters", masters}, {"steps", steps}});
+  }
   checks::scalar_tensor(kAdamW, lr_tensor, "lr", device);
   checks::scalar_tensor(kAdamW, inv_scale, "inv_scale", device);
   checks::scalar_tensor(kAdamW, found_inf, "found_inf", device);
-  return kind;
+  return master_mode;
 }
 
 void adamw_step_cpu(const TensorList& params, const TensorList& grads, const TensorList& exp_avgs,
                     const TensorList& exp_avg_sqs, const TensorList& masters, const TensorList& steps,
-                    MasterKind kind, const AdamWHyper& hyper, float lr, float inv_scale) {
+                    MasterMode master_mode, const AdamWHyper& hyper, float lr, float inv_scale) {
   cpu::AdamWBatch batch;
   batch.param_kind = cpu::scalar_kind(params[0].scalar_type());
   batch.grad_kind = cpu::scalar_kind(grads[0].scalar_type());
-  batch.master_kind = kind;
+  batch.master_mode = master_mode;
   batch.tensors.reserve(params.size());
   for (size_t i = 0; i < params.size(); ++i) {
     cpu::AdamWTensor t;
@@ -123,19 +139,18 @@ void adamw_step_cpu(const TensorList& params, const TensorList& grads, const Ten
     t.numel = params[i].numel();
     batch.tensors.push_back(t);
   }
-  cpu::adamw_step(batch, hyper, lr, inv_scale);
+  cpu::adamw_step(batch, hyper, lr, inv_scale, cpu::best_capability());
 }
 
 }  // namespace
 
-// Declared in ops.h for the pybind fast entry.
 namespace op {
 
 void adamw_step(at::TensorList params_in, at::TensorList grads_in, at::TensorList exp_avgs_in,
                 at::TensorList exp_avg_sqs_in, at::TensorList masters_in, at::TensorList steps_in, double lr,
                 const OptionalTensor& lr_tensor, double beta1, double beta2, double eps, double weight_decay,
                 bool adam_w_mode, bool bias_correction, const OptionalTensor& inv_scale,
-                const OptionalTensor& found_inf) {
+                const OptionalTensor& found_inf, checks::CheckedBucket* checked) {
   checks::in_range(kAdamW, "adamw", "lr", lr);
   checks::in_range(kAdamW, "adamw", "beta1", beta1);
   checks::in_range(kAdamW, "adamw", "beta2", beta2);
@@ -150,8 +165,8 @@ void adamw_step(at::TensorList params_in, at::TensorList grads_in, at::TensorLis
   hyper.bias_correction = bias_correction;
   const TensorList params = params_in, grads = grads_in, exp_avgs = exp_avgs_in, exp_avg_sqs = exp_avg_sqs_in,
                    masters = masters_in, steps = steps_in;
-  const MasterKind kind =
-      check_adamw_args(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr_tensor, inv_scale, found_inf);
+  const MasterMode master_mode =
+      check_adamw_args(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr_tensor, inv_scale, found_inf, checked);
 
   switch (backend_of(params)) {
     case Backend::kNone: return;
@@ -159,12 +174,12 @@ void adamw_step(at::TensorList params_in, at::TensorList grads_in, at::TensorLis
       if (found_inf_on_cpu(found_inf)) return;
       const float lr_value = host_lr(lr_tensor, lr, kAdamW);
       const float inv_scale_value = inv_scale.has_value() ? inv_scale->item<float>() : 1.0f;
-      adamw_step_cpu(params, grads, exp_avgs, exp_avg_sqs, masters, steps, kind, hyper, lr_value, inv_scale_value);
+      adamw_step_cpu(params, grads, exp_avgs, exp_avg_sqs, masters, steps, master_mode, hyper, lr_value, inv_scale_value);
       return;
     }
     case Backend::kCuda:
 #if defined(MUON_EXT_WITH_CUDA)
-      cuda::adamw_step(params.vec(), grads.vec(), exp_avgs.vec(), exp_avg_sqs.vec(), masters.vec(), steps.vec(), kind,
+      cuda::adamw_step(params.vec(), grads.vec(), exp_avgs.vec(), exp_avg_sqs.vec(), masters.vec(), steps.vec(), master_mode,
                        hyper, lr, lr_tensor, inv_scale, found_inf);
 #endif
       return;
@@ -237,9 +252,10 @@ int64_t check_row_blocks(const char* op, const std::optional<int64_t>& polar_row
 // first one's (rows, cols), nonzero.
 std::pair<int64_t, int64_t> check_matrix_shapes(const char* op, const TensorList& list, const char* name) {
   const at::Tensor& first = list[0];
-  TORCH_CHECK_VALUE(first.dim() >= 2, op, ": ", name, "[0] must have at least 2 dimensions (rows, cols), got ",
-                    first.sizes());
-  const int64_t rows = first.size(-2), cols = first.size(-1);
+  const shapes::Matrices m = shapes::matrix_shape(first.sizes().data(), first.dim(), shapes::MatrixView::kBatch);
+  TORCH_CHECK_VALUE(m.rule == shapes::MatrixRule::kMatrices, op, ": ", name,
+                    "[0] must have at least 2 dimensions (rows, cols), got ", first.sizes());
+  const int64_t rows = m.rows, cols = m.cols;
   TORCH_CHECK_VALUE(rows > 0 && cols > 0, op, ": ", name, "[0] has zero-sized matrices ", first.sizes(),
                     "; Muon needs rows >= 1 and cols >= 1");
   for (size_t i = 0; i < list.size(); ++i) {
@@ -251,23 +267,20 @@ std::pair<int64_t, int64_t> check_matrix_shapes(const char* op, const TensorList
   return {rows, cols};
 }
 
-// NorMuon's second-moment shape of a [..., rows, cols] tensor.
-std::vector<int64_t> second_moment_shape(const at::Tensor& t, int64_t rows, int64_t cols) {
-  std::vector<int64_t> shape = t.sizes().vec();
-  shape[shape.size() - (rows >= cols ? 1 : 2)] = 1;
-  return shape;
-}
-
+// `proven`: the step check's token covers the buffers (only their count is checked).
 void check_second_moments(const char* op, const TensorList& buffers, const TensorList& like, const char* like_name,
-                          bool normuon, int64_t rows, int64_t cols) {
+                          bool normuon, int64_t rows, int64_t cols, bool proven = false) {
   TORCH_CHECK_VALUE(buffers.size() == (normuon ? like.size() : 0), op, ": second_momentum_buffers must have one entry "
                     "per ", like_name == std::string("params") ? "param" : "update",
                     " when beta2 is set and be empty when beta2 is None, got ", buffers.size(), " for ", like.size(),
                     " ", like_name);
-  if (!normuon) return;
+  if (!normuon || proven) return;
+  c10::SmallVector<int64_t, 6> shape;
   for (size_t i = 0; i < like.size(); ++i) {
-    checks::companion(op, buffers[i], like[i], "second_momentum_buffers", i, at::kFloat,
-                      second_moment_shape(like[i], rows, cols), like_name);
+    // The ops see [..., rows, cols] tensors: "batch" is their matrix view.
+    shape.clear();
+    shapes::second_moment_shape(like[i].sizes().data(), like[i].dim(), shapes::MatrixView::kBatch, rows, cols, shape);
+    checks::companion(op, buffers[i], like[i], "second_momentum_buffers", i, at::kFloat, shape, like_name);
   }
 }
 
@@ -277,7 +290,8 @@ void check_second_moments(const char* op, const TensorList& buffers, const Tenso
 
 constexpr const char* kMuon = "muon_step";
 
-void check_muon_bucket(MuonBucket& bucket, const MuonStepOptions& options) {
+// `checked`: as in check_adamw_args.
+void check_muon_bucket(MuonBucket& bucket, const MuonStepOptions& options, checks::CheckedBucket* checked) {
   const TensorList& params = bucket.params;
   const size_t n = params.size();
   checks::same_lengths(kMuon, n, {{"grads", bucket.grads.size()}, {"momentum_buffers", bucket.momentum_buffers.size()}});
@@ -287,21 +301,30 @@ void check_muon_bucket(MuonBucket& bucket, const MuonStepOptions& options) {
   checks::optional_list_length(kMuon, bucket.masters, "masters", n);
   if (n == 0) return;
 
-  const at::Device device = checks::params(kMuon, params);
+  const bool proven =
+      checked != nullptr &&
+      checked->covers({{params_role(*checked), params}, {"grads", bucket.grads},
+                       {"momentum_buffer", bucket.momentum_buffers},
+                       {options.hyper.normuon ? "second_momentum_buffer" : "", bucket.second_momentum_buffers},
+                       {bucket.masters.empty() ? "" : "master_param", bucket.masters}});
+  const at::Device device = proven ? params[0].device() : checks::params(kMuon, params);
+  if (proven) checks::device(kMuon, device, "params");
   const at::ScalarType grad_dtype = checks::float_list_dtype(kMuon, bucket.grads, "grads");
-  bucket.master_kind = checks::master_kind(kMuon, bucket.masters, params[0].scalar_type());
-  const at::ScalarType master_dtype = bucket.master_kind == MasterKind::kRemainder ? at::kShort : at::kFloat;
+  bucket.master_mode = checks::master_mode(kMuon, bucket.masters, params[0].scalar_type());
+  const at::ScalarType master_dtype = bucket.master_mode == MasterMode::kRemainder ? at::kShort : at::kFloat;
   std::tie(bucket.rows, bucket.cols) = check_matrix_shapes(kMuon, params, "params");
   check_second_moments(kMuon, bucket.second_momentum_buffers, params, "params", options.hyper.normuon, bucket.rows,
-                       bucket.cols);
-  for (size_t i = 0; i < n; ++i) {
+                       bucket.cols, proven);
+  for (size_t i = 0; i < n && !proven; ++i) {
     const at::Tensor& p = params[i];
     checks::companion(kMuon, bucket.grads[i], p, "grads", i, grad_dtype, p.sizes());
     checks::companion(kMuon, bucket.momentum_buffers[i], p, "momentum_buffers", i, at::kFloat, p.sizes());
     if (!bucket.masters.empty()) checks::companion(kMuon, bucket.masters[i], p, "masters", i, master_dtype, p.sizes());
   }
-  checks::disjoint(kMuon, {{"params", params}, {"momentum_buffers", bucket.momentum_buffers},
-                           {"second_momentum_buffers", bucket.second_momentum_buffers}, {"masters", bucket.masters}});
+  if (!proven) {
+    checks::disjoint(kMuon, {{"params", params}, {"momentum_buffers", bucket.momentum_buffers},
+                             {"second_momentum_buffers", bucket.second_momentum_buffers}, {"masters", bucket.masters}});
+  }
   checks::scalar_tensor(kMuon, options.lr_tensor, "lr", device);
   checks::scalar_tensor(kMuon, options.inv_scale, "inv_scale", device);
   checks::scalar_tensor(kMuon, options.found_inf, "found_inf", device);
@@ -309,7 +332,6 @@ void check_muon_bucket(MuonBucket& bucket, const MuonStepOptions& options) {
 
 }  // namespace
 
-// Declared in ops.h for the pybind fast entry.
 namespace op {
 
 void muon_step(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
@@ -318,7 +340,7 @@ void muon_step(at::TensorList params, at::TensorList grads, at::TensorList momen
                double weight_decay, int64_t ns_steps, at::ArrayRef<double> ns_coefficients,
                c10::string_view lr_scale, const OptionalTensor& inv_scale, const OptionalTensor& found_inf,
                int64_t max_workspace_bytes, std::optional<int64_t> polar_row_blocks,
-               c10::string_view polar_dtype, c10::string_view polar_method) {
+               c10::string_view polar_dtype, c10::string_view polar_method, checks::CheckedBucket* checked) {
   checks::in_range(kMuon, "muon", "lr", lr);
   checks::in_range(kMuon, "muon", "momentum", momentum);
   check_beta2(kMuon, beta2);
@@ -347,14 +369,15 @@ void muon_step(at::TensorList params, at::TensorList grads, at::TensorList momen
   bucket.momentum_buffers = to_vector(momentum_buffers);
   bucket.second_momentum_buffers = to_vector(second_momentum_buffers);
   bucket.masters = to_vector(masters);
-  check_muon_bucket(bucket, options);
+  check_muon_bucket(bucket, options, checked);
   const Backend backend = backend_of(bucket.params);
   if (backend == Backend::kNone) return;
   options.lr_factor = static_cast<float>(muon_lr_factor(scale_mode, bucket.rows, bucket.cols));
 
   if (backend == Backend::kCpu) {
     if (found_inf_on_cpu(found_inf)) return;
-    host_lr(lr_tensor, lr, kMuon);
+    options.lr = host_lr(lr_tensor, lr, kMuon);  // read once: the kernel takes the value
+    options.lr_tensor.reset();
     cpu::muon_step(bucket, options);
     return;
   }
@@ -489,8 +512,8 @@ void muon_apply_op(at::TensorList params, at::TensorList updates, at::TensorList
   checks::optional_list_length(kApply, args.masters, "masters", n);
   if (n == 0) return;
   const at::Device device = checks::params(kApply, args.params, "params");
-  args.master_kind = checks::master_kind(kApply, args.masters, args.params[0].scalar_type());
-  const at::ScalarType master_dtype = args.master_kind == MasterKind::kRemainder ? at::kShort : at::kFloat;
+  args.master_mode = checks::master_mode(kApply, args.masters, args.params[0].scalar_type());
+  const at::ScalarType master_dtype = args.master_mode == MasterMode::kRemainder ? at::kShort : at::kFloat;
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& p = args.params[i];
     checks::companion(kApply, args.updates[i], p, "updates", i, at::kFloat, p.sizes());
@@ -591,9 +614,37 @@ TORCH_LIBRARY(muon_ext, m) {
       "-> ()");
 }
 
+namespace muon_ext {
+namespace {
+
+// The registered kernels of the two step ops: called through the dispatcher,
+// without the step check's token, they check everything.
+void adamw_step_op(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
+                   at::TensorList masters, at::TensorList steps, double lr, const OptionalTensor& lr_tensor,
+                   double beta1, double beta2, double eps, double weight_decay, bool adam_w_mode,
+                   bool bias_correction, const OptionalTensor& inv_scale, const OptionalTensor& found_inf) {
+  op::adamw_step(params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, lr_tensor, beta1, beta2, eps, weight_decay,
+                 adam_w_mode, bias_correction, inv_scale, found_inf, /*checked=*/nullptr);
+}
+
+void muon_step_op(at::TensorList params, at::TensorList grads, at::TensorList momentum_buffers,
+                  at::TensorList second_momentum_buffers, at::TensorList masters, double lr,
+                  const OptionalTensor& lr_tensor, double momentum, bool nesterov, std::optional<double> beta2,
+                  double weight_decay, int64_t ns_steps, at::ArrayRef<double> ns_coefficients,
+                  c10::string_view lr_scale, const OptionalTensor& inv_scale, const OptionalTensor& found_inf,
+                  int64_t max_workspace_bytes, std::optional<int64_t> polar_row_blocks,
+                  c10::string_view polar_dtype, c10::string_view polar_method) {
+  op::muon_step(params, grads, momentum_buffers, second_momentum_buffers, masters, lr, lr_tensor, momentum, nesterov,
+                beta2, weight_decay, ns_steps, ns_coefficients, lr_scale, inv_scale, found_inf, max_workspace_bytes,
+                polar_row_blocks, polar_dtype, polar_method, /*checked=*/nullptr);
+}
+
+}  // namespace
+}  // namespace muon_ext
+
 #define MUON_EXT_REGISTER_KERNELS(m)                          \
-  m.impl("adamw_step", &muon_ext::op::adamw_step);                 \
-  m.impl("muon_step", &muon_ext::op::muon_step);                   \
+  m.impl("adamw_step", &muon_ext::adamw_step_op);                 \
+  m.impl("muon_step", &muon_ext::muon_step_op);                   \
   m.impl("muon_momentum", &muon_ext::muon_momentum_op);           \
   m.impl("muon_orthogonalize", &muon_ext::muon_orthogonalize_op); \
   m.impl("muon_apply", &muon_ext::muon_apply_op);                 \

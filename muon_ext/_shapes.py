@@ -1,30 +1,31 @@
-"""How a Muon param becomes matrices, by its group's matrix_view."""
+"""How a Muon param becomes matrices, by its group's matrix_view.
+
+The rules are C++'s (csrc/common/shapes.h, through `_C`), the ones the
+planner's checks, the ops and the kernels use; this module words the errors
+and makes the views.
+"""
 
 from __future__ import annotations
 
-import math
 from typing import Tuple
 
 import torch
 
-from . import row_blocks
+from . import _C, row_blocks
 from ._types import MatrixView
 
-__all__ = ["matrix_shape", "as_matrices", "second_moment_shape", "muon_stats_shape"]
+__all__ = ["matrix_shape", "as_matrices", "second_moment_shape", "muon_stats_shape", "stats_per_row"]
 
 
 def matrix_shape(p: torch.Tensor, view: MatrixView, label: str) -> Tuple[int, int]:
     """(rows, cols) of the matrices a Muon param is made of; raises, naming `label`,
     for a param that is not matrices under `view`."""
-    if p.dim() == 2:
-        return tuple(p.shape)
-    if p.dim() < 2:
+    rule, rows, cols = _C.matrix_shape(p.shape, view)
+    if rule == _C.MatrixRule.matrices:
+        return rows, cols
+    if rule == _C.MatrixRule.rank_below_two:
         raise ValueError(f"{label} has shape {tuple(p.shape)}: Muon needs matrices (rank >= 2); "
                          "put vectors and scalars in an 'adamw' group")
-    if view == "flatten":
-        return (p.shape[0], math.prod(p.shape[1:]))
-    if view == "batch":
-        return tuple(p.shape[-2:])
     raise ValueError(f"{label} has rank {p.dim()} (shape {tuple(p.shape)}): set the group's matrix_view to "
                      "'flatten' (view(shape[0], -1)) or 'batch' (leading dims index matrices)")
 
@@ -38,9 +39,15 @@ def as_matrices(t: torch.Tensor, view: MatrixView) -> torch.Tensor:
 
 def second_moment_shape(p: torch.Tensor, view: MatrixView) -> Tuple[int, ...]:
     """Shape of the NorMuon statistics of a Muon param: [..., rows, 1] if rows >= cols else [..., 1, cols]."""
-    rows, cols = matrix_shape(p, view, "")
-    lead = tuple(p.shape[:-2]) if (p.dim() > 2 and view == "batch") else ()
-    return lead + ((rows, 1) if rows >= cols else (1, cols))
+    shape = _C.second_moment_shape(p.shape, view)
+    if shape is None:
+        matrix_shape(p, view, "")  # raises: not matrices
+    return shape
+
+
+def stats_per_row(rows: int, cols: int) -> bool:
+    """Whether NorMuon keeps one statistic per row of a rows x cols matrix (else one per column)."""
+    return _C.stats_per_row(rows, cols)
 
 
 def muon_stats_shape(p: torch.Tensor, group: dict) -> Tuple[int, ...]:

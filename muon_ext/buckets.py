@@ -4,8 +4,11 @@ pass before the first write, and the step's work items. Writes nothing.
 The checks are metadata only (no tensor data is read) and cover everything
 the kernels could refuse or read out of bounds, for every bucket, before the
 first kernel runs (docs/design.md, "Data flow of one step"). One C++ call per
-bucket (`_C.check_bucket`) finds the first bad param; only then does Python
-look at it again to say, by name, what is wrong.
+bucket (`_C.check_bucket`, csrc/step_checks.h) finds the first bad param and
+returns what is wrong with it (a `_C.StepProblem`); only then does Python look
+at it again to word the error. A passing check returns the bucket's token
+(`_C.CheckedBucket`), which the runner hands to the op so that it does not
+check again what was checked here.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from .writers import check_released
 
 __all__ = ["StepPlanner", "PlannedItem"]
 
-# How a state entry's shape follows from its param's (csrc/bindings.cpp, StateShape).
+# How a state entry's shape follows from its param's (csrc/step_checks.h, StateShape).
 _PARAM_SHAPE, _SCALAR, _SECOND_MOMENT = 0, 1, 2
 _MASTER_DTYPES = {"remainder": torch.int16, "fp32": torch.float32, "none": None}
 
@@ -32,10 +35,12 @@ _MASTER_DTYPES = {"remainder": torch.int16, "fp32": torch.float32, "none": None}
 class PlannedItem(NamedTuple):
     """A work item and the state tensors its kernel call takes, by state key,
     in the order of item.params (as checked; a list is None where some entry
-    is still to be created)."""
+    is still to be created), and the step check's token for the op call on
+    exactly these lists (None where the item's lists are not the bucket's)."""
 
     item: WorkItem
     state: Dict[str, Optional[List[torch.Tensor]]]
+    checked: Optional[_C.CheckedBucket] = None
 
 
 class _Spec(NamedTuple):
@@ -72,6 +77,7 @@ class StepPlanner:
         self._specs: List[_Spec] = []
         self._empty: List[ParamInfo] = []  # zero-size params, in no bucket
         self._signature: Tuple = ()
+        self._tokens: List[_C.CheckedBucket] = []  # of the last plan: stale at the next
         # False when the state lives off the params' device (offload="cpu"):
         # muon_ext.offload checks those entries; params and grads are checked here.
         self.state_rules = True
@@ -114,6 +120,9 @@ class StepPlanner:
             if info.param.numel() != 0:
                 raise ValueError(f"{info.name} had no elements when the optimizer was built and has shape "
                                  f"{tuple(info.param.shape)} now; build the optimizer after resizing params")
+        for token in self._tokens:
+            token.invalidate()
+        self._tokens = []
         ranges = _C.MemoryRanges()
         checked, bucket_rules = [], []
         for b, (bucket, spec) in enumerate(zip(buckets, self._specs)):
@@ -124,17 +133,21 @@ class StepPlanner:
                     check_released(infos[id(p)], "")
             rules = _step_rules(bucket, group, infos) if self.state_rules else ()
             bucket_rules.append(rules)
-            bad, problem, key, other, uniform, grads, state = _C.check_bucket(
+            result = _C.check_bucket(
                 bucket.params, grad_attr, tensors, dtype=spec.dtype, device=spec.device,
                 rules=rules, rows=spec.rows, cols=spec.cols,
                 matrix_view=view, ranges=ranges, bucket=b, param_data=bucket.writes_params)
-            if bad >= 0:
-                other_info = infos[id(bucket.params[other])] if other >= 0 else None
-                self._raise(problem, infos[id(bucket.params[bad])], key, other_info, spec, tensors, grad_attr)
+            if result.index >= 0:
+                other_info = infos[id(bucket.params[result.other])] if result.other >= 0 else None
+                self._raise(result.problem, infos[id(bucket.params[result.index])], result.key, other_info, spec,
+                            tensors, grad_attr)
+            if result.token is not None:
+                self._tokens.append(result.token)
             blocks = row_blocks.of_group(group, spec.rows) if bucket.kind == "muon" else None
+            state = result.state
             if blocks is not None and group["beta2"] is not None and self.state_rules:
                 state["second_momentum_buffer"] = _block_stats(bucket.params, group, infos, tensors, required=False)
-            checked.append((bucket, group, grads, state, uniform, blocks))
+            checked.append((bucket, group, result, state, blocks))
         overlap = ranges.first_overlap()
         if overlap is not None:
             (b0, i0), (b1, i1) = overlap
@@ -170,11 +183,11 @@ class StepPlanner:
                 if _blocked_stats(info.kind, group):
                     _block_stats([p], group, {id(p): info}, tensors, required=False)
             check_released(info, "")
-            bad, problem, key, other, _, _, _ = _C.check_bucket(
+            result = _C.check_bucket(
                 [p], None, tensors, dtype=p.dtype, device=p.device, rules=rules, rows=rows, cols=cols,
                 matrix_view=view, ranges=ranges, bucket=tag + position, param_data=info.writer is None)
-            if bad >= 0:
-                self._raise(problem, info, key, None, _Spec(p.dtype, p.device, rows, cols), tensors, "")
+            if result.index >= 0:
+                self._raise(result.problem, info, result.key, None, _Spec(p.dtype, p.device, rows, cols), tensors, "")
 
     # -- buckets ----------------------------------------------------------
 
@@ -232,21 +245,21 @@ class StepPlanner:
 
     # -- messages ---------------------------------------------------------
 
-    def _raise(self, problem: str, info: ParamInfo, key: str, other: Optional[ParamInfo], spec: _Spec,
+    def _raise(self, problem: _C.StepProblem, info: ParamInfo, key: str, other: Optional[ParamInfo], spec: _Spec,
                tensors: Mapping, attr: str) -> None:
-        """Raises the error for `problem` (a code of _C.check_bucket) at `info`'s param: `key` names the
+        """Raises the error for `problem` (found by _C.check_bucket) at `info`'s param: `key` names the
         state entry, `other` the param whose entry it shares, `spec` what the bucket expects."""
         label, p = info.name, info.param
-        if problem == "param_dtype":
+        if problem == _P.param_dtype:
             self._check_master_mode(info)
             raise TypeError(f"{label} is {p.dtype} but was {spec.dtype} when the optimizer bucketed it; params "
                             "must keep their dtype: build the optimizer after casting the model, or cast the param "
                             "back")
-        if problem.startswith("param_"):
-            raise _param_error(problem, label, p, spec)
-        if problem.startswith("state_"):
+        if problem in _PARAM_ERRORS:
+            raise _PARAM_ERRORS[problem](label, p, spec)
+        if problem in _STATE_ERRORS:
             raise _state_error(problem, label, p, key, other, tensors.get(p))
-        raise _grad_error(problem, label, p, getattr(p, attr, None), attr)
+        raise _GRAD_ERRORS[problem](label, p, getattr(p, attr, None), attr)
 
 
 def _check_lr_storage(index: int, lr) -> None:
@@ -258,7 +271,7 @@ def _check_lr_storage(index: int, lr) -> None:
 
 
 def _moment_rules(kind: str, group: dict, required: bool) -> tuple:
-    """(key, dtype, shape, required) of the moments the kernels take (csrc/bindings.cpp, StateRule)."""
+    """(key, dtype, shape, required) of the moments the kernels take (csrc/step_checks.h, StateRule)."""
     if kind == "adamw":
         return (("exp_avg", torch.float32, _PARAM_SHAPE, required),
                 ("exp_avg_sq", torch.float32, _PARAM_SHAPE, required),
@@ -312,10 +325,11 @@ def _block_stats(params: List[torch.Tensor], group: dict, infos: Mapping[int, Pa
     return out
 
 
-def _work_items(bucket: Bucket, group: dict, grads: List, state: Dict, uniform: bool,
+def _work_items(bucket: Bucket, group: dict, result, state: Dict,
                 blocks: Optional[row_blocks.RowBlocks]) -> List[PlannedItem]:
-    if uniform:  # the common case: nothing to sort out
-        return [PlannedItem(WorkItem(bucket, group, bucket.params, grads, blocks), state)]
+    grads = result.grads
+    if result.uniform:  # the common case: nothing to sort out
+        return [PlannedItem(WorkItem(bucket, group, bucket.params, grads, blocks), state, result.token)]
     by_grad_dtype: Dict[torch.dtype, Tuple[List, List, List]] = {}
     for i, (p, grad) in enumerate(zip(bucket.params, grads)):
         if grad is not None:
@@ -324,67 +338,75 @@ def _work_items(bucket: Bucket, group: dict, grads: List, state: Dict, uniform: 
             contiguous.append(grad if grad.is_contiguous() else grad.contiguous())
             positions.append(i)
     return [PlannedItem(WorkItem(bucket, group, params, contiguous, blocks),
-                        {k: None if v is None else [v[i] for i in positions] for k, v in state.items()})
+                        {k: None if v is None else [v[i] for i in positions] for k, v in state.items()}, None)
             for params, contiguous, positions in by_grad_dtype.values()]
 
 
-def _param_error(problem: str, label: str, p: torch.Tensor, spec: _Spec) -> Exception:
-    if problem == "param_contiguous":  # e.g. model.to(memory_format=...) after construction
-        return ValueError(f"{label} is no longer contiguous; params must stay contiguous")
-    if problem == "param_device":
-        return ValueError(f"{label} is on {p.device} but was on {spec.device} when the optimizer bucketed it (its "
-                          "state is there); move the model before building the optimizer")
-    if problem == "param_shape":
-        return ValueError(f"{label} has shape {tuple(p.shape)}, no longer {spec.rows}x{spec.cols} matrices; "
-                          "params must keep their shape (resize them before building the optimizer)")
-    if problem == "param_storage":
-        return ValueError(f"{label}: {_C.storage_problem(p)}; restore the param's storage before the optimizer "
-                          "reads or writes it, or (storage released on purpose) register a param writer for it with "
-                          "storage=param.untyped_storage()")
-    if problem == "param_layout":
-        return TypeError(f"{label} has layout {p.layout}; params must be dense (strided)")
-    return TypeError(f"{label} is a {type(p).__name__}, not a tensor")
+_P = _C.StepProblem
+
+# The words of each problem _C.check_bucket reports (csrc/step_checks.h, StepProblem).
+_PARAM_ERRORS = {
+    # e.g. model.to(memory_format=...) after construction
+    _P.param_contiguous: lambda label, p, spec: ValueError(
+        f"{label} is no longer contiguous; params must stay contiguous"),
+    _P.param_device: lambda label, p, spec: ValueError(
+        f"{label} is on {p.device} but was on {spec.device} when the optimizer bucketed it (its state is there); "
+        "move the model before building the optimizer"),
+    _P.param_shape: lambda label, p, spec: ValueError(
+        f"{label} has shape {tuple(p.shape)}, no longer {spec.rows}x{spec.cols} matrices; params must keep their "
+        "shape (resize them before building the optimizer)"),
+    _P.param_storage: lambda label, p, spec: ValueError(
+        f"{label}: {_C.storage_problem(p)}; restore the param's storage before the optimizer reads or writes it, or "
+        "(storage released on purpose) register a param writer for it with storage=param.untyped_storage()"),
+    _P.param_layout: lambda label, p, spec: TypeError(
+        f"{label} has layout {p.layout}; params must be dense (strided)"),
+    _P.param_type: lambda label, p, spec: TypeError(f"{label} is a {type(p).__name__}, not a tensor"),
+}
+
+_STATE_REPAIR = "state tensors must keep the dtype, shape and device they were made with"
+_STATE_TENSOR_ERRORS = {
+    _P.state_layout: lambda where, p, t: TypeError(f"{where} has layout {t.layout}; {_STATE_REPAIR}"),
+    _P.state_dtype: lambda where, p, t: TypeError(f"{where} has dtype {t.dtype}; {_STATE_REPAIR}"),
+    _P.state_device: lambda where, p, t: ValueError(
+        f"{where} is on {t.device}, the param on {p.device}; {_STATE_REPAIR} (move the model before building the "
+        "optimizer)"),
+    _P.state_shape: lambda where, p, t: ValueError(
+        f"{where} has shape {tuple(t.shape)} and the param {tuple(p.shape)}: params must keep their shape and "
+        f"{_STATE_REPAIR}"),
+    _P.state_contiguous: lambda where, p, t: ValueError(f"{where} must be contiguous; {_STATE_REPAIR}"),
+    _P.state_storage: lambda where, p, t: ValueError(f"{where}: {_C.storage_problem(t)}"),
+}
+_STATE_ERRORS = frozenset(_STATE_TENSOR_ERRORS) | {_P.state_type, _P.state_missing, _P.state_unexpected,
+                                                   _P.state_shared}
 
 
-def _state_error(problem: str, label: str, p: torch.Tensor, key: str, other: Optional[ParamInfo],
+def _state_error(problem: _C.StepProblem, label: str, p: torch.Tensor, key: str, other: Optional[ParamInfo],
                  entry) -> Exception:
     where = f"{label}: optimizer state '{key}'"
-    repair = "state tensors must keep the dtype, shape and device they were made with"
-    if problem == "state_missing":
-        return ValueError(f"{where} is missing ({repair}; load a checkpoint or build a new optimizer)")
-    if problem == "state_unexpected":
+    if problem == _P.state_missing:
+        return ValueError(f"{where} is missing ({_STATE_REPAIR}; load a checkpoint or build a new optimizer)")
+    if problem == _P.state_unexpected:
         return ValueError(f"{where} is unexpected: this param keeps no separate master")
-    if problem == "state_shared":
+    if problem == _P.state_shared:
         return ValueError(f"{where} is the same tensor as that of {other.name}; each param needs its own")
     if not isinstance(entry, dict):
         return TypeError(f"{label}: its optimizer state must be a dict, got {type(entry).__name__}")
     t = entry.get(key)
-    if problem == "state_type" or not isinstance(t, torch.Tensor):
+    if problem == _P.state_type or not isinstance(t, torch.Tensor):
         return TypeError(f"{where} must be a tensor, got {type(t).__name__}")
-    if problem == "state_layout":
-        return TypeError(f"{where} has layout {t.layout}; {repair}")
-    if problem == "state_dtype":
-        return TypeError(f"{where} has dtype {t.dtype}; {repair}")
-    if problem == "state_device":
-        return ValueError(f"{where} is on {t.device}, the param on {p.device}; {repair} (move the model before "
-                          "building the optimizer)")
-    if problem == "state_shape":
-        return ValueError(f"{where} has shape {tuple(t.shape)} and the param {tuple(p.shape)}: params must keep "
-                          f"their shape and {repair}")
-    if problem == "state_contiguous":
-        return ValueError(f"{where} must be contiguous; {repair}")
-    return ValueError(f"{where}: {_C.storage_problem(t)}")
+    return _STATE_TENSOR_ERRORS[problem](where, p, t)
 
 
-def _grad_error(problem: str, label: str, p: torch.Tensor, grad, attr: str) -> Exception:
-    if problem == "grad_type":
-        return TypeError(f"{label}: {attr} must be a tensor, got {type(grad).__name__}")
-    if problem == "grad_layout":
-        return TypeError(f"{label}: {attr} has layout {grad.layout}; sparse gradients are not supported")
-    if problem == "grad_shape":
-        return ValueError(f"{label}: {attr} has shape {tuple(grad.shape)}, the param {tuple(p.shape)}")
-    if problem == "grad_device":
-        return ValueError(f"{label}: {attr} is on {grad.device}, the param on {p.device}")
-    if problem == "grad_storage":
-        return ValueError(f"{label}: {attr}: {_C.storage_problem(grad)}")
-    return TypeError(f"{label}: {attr} has dtype {grad.dtype}; supported: float32, bfloat16, float16")
+_GRAD_ERRORS = {
+    _P.grad_type: lambda label, p, grad, attr: TypeError(
+        f"{label}: {attr} must be a tensor, got {type(grad).__name__}"),
+    _P.grad_layout: lambda label, p, grad, attr: TypeError(
+        f"{label}: {attr} has layout {grad.layout}; sparse gradients are not supported"),
+    _P.grad_shape: lambda label, p, grad, attr: ValueError(
+        f"{label}: {attr} has shape {tuple(grad.shape)}, the param {tuple(p.shape)}"),
+    _P.grad_device: lambda label, p, grad, attr: ValueError(
+        f"{label}: {attr} is on {grad.device}, the param on {p.device}"),
+    _P.grad_storage: lambda label, p, grad, attr: ValueError(f"{label}: {attr}: {_C.storage_problem(grad)}"),
+    _P.grad_dtype: lambda label, p, grad, attr: TypeError(
+        f"{label}: {attr} has dtype {grad.dtype}; supported: float32, bfloat16, float16"),
+}

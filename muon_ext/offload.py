@@ -497,7 +497,7 @@ class StagedRunner(ResidentRunner):
         self.check_entries((layout.info for layout in self.layouts.values()), required=True)
 
     def run(self, work: List, groups: List[dict], scalers) -> None:
-        """One staged step over the planned `work` ((item, state) pairs, every
+        """One staged step over the planned `work` ((item, state, checked) triples, every
         check passed, `check_step` too): Muon items cut into slot-sized chunks
         first, AdamW items last (their CPU update overlaps the Muon pipeline on
         CUDA), each acquired, run and released as the resident runner runs it."""
@@ -507,12 +507,12 @@ class StagedRunner(ResidentRunner):
         self.streams.begin()
         self.residency = "step_active"
         muon, adamw = [], []
-        for item, state in work:
+        for item, state, _ in work:  # the planner's tokens cover its lists, not the slots'
             if item.bucket.kind == "muon":
-                muon += [(chunk, state) for chunk in self._chunks(item)]
+                muon += [(chunk, state, None) for chunk in self._chunks(item)]
             else:
-                adamw.append((item, state))
-        self._grads_ready = self._copy_adamw_grads([item for item, _ in adamw])
+                adamw.append((item, state, None))
+        self._grads_ready = self._copy_adamw_grads([item for item, _, _ in adamw])
         try:
             super().run(muon + adamw, groups, scalers)
         finally:

@@ -57,6 +57,7 @@ def adamw_step(
     bias_correction: bool = True,
     inv_scale: Optional[torch.Tensor] = None,
     found_inf: Optional[torch.Tensor] = None,
+    checked: Optional[_C.CheckedBucket] = None,
 ) -> None:
     """One AdamW (or Adam-L2) step on a list of tensors, in place.
 
@@ -71,6 +72,9 @@ def adamw_step(
     nonzero `found_inf` turns the call into a no-op (counters included). All
     tensors share the params' device; on CUDA the call never syncs the host.
     Raises (TypeError / ValueError) before touching anything on bad input.
+    `checked`: the optimizer's step-check token for exactly these lists (see
+    docs/design.md, "Ops (torch.library)"); it only spares checks already
+    made, and a token that does not match checks everything.
     """
     if not _has_work("adamw_step", params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs, steps=steps,
                      masters=masters):
@@ -78,9 +82,10 @@ def adamw_step(
     lists = _lists("adamw_step", params=params, grads=grads, exp_avgs=exp_avgs, exp_avg_sqs=exp_avg_sqs,
                    masters=masters, steps=steps)
     lr_value, lr_tensor = _split_lr("adamw_step", lr, lists)
-    _call("adamw_step", _entry("adamw_step", params[0]), lists, lr=lr_value, lr_tensor=lr_tensor, beta1=float(beta1),
-          beta2=float(beta2), eps=float(eps), weight_decay=float(weight_decay), adam_w_mode=bool(adam_w_mode),
-          bias_correction=bool(bias_correction), inv_scale=inv_scale, found_inf=found_inf)
+    _call("adamw_step", *_entry("adamw_step", params[0], checked), lists, lr=lr_value, lr_tensor=lr_tensor,
+          beta1=float(beta1), beta2=float(beta2), eps=float(eps), weight_decay=float(weight_decay),
+          adam_w_mode=bool(adam_w_mode), bias_correction=bool(bias_correction), inv_scale=inv_scale,
+          found_inf=found_inf)
 
 
 def muon_step(
@@ -104,6 +109,7 @@ def muon_step(
     polar_row_blocks: Optional[int] = None,
     polar_dtype: str = "bfloat16",
     polar_method: str = "standard",
+    checked: Optional[_C.CheckedBucket] = None,
 ) -> None:
     """One Muon step on a bucket of same-shape matrices, in place.
 
@@ -131,8 +137,8 @@ def muon_step(
     on the min(rows, cols)-square Gram matrix and multiplies the long side
     twice in all; the same polynomial in exact arithmetic) or "auto" (Gram
     where `polar_method_for` says it pays); docs/polar_express.md.
-    `inv_scale` / `found_inf` behave as in `adamw_step`; on CUDA the call never
-    syncs the host. Raises (TypeError / ValueError) before touching anything.
+    `inv_scale` / `found_inf` / `checked` behave as in `adamw_step`; on CUDA the
+    call never syncs the host. Raises (TypeError / ValueError) before touching anything.
     """
     if not _has_work("muon_step", params, grads=grads, momentum_buffers=momentum_buffers,
                      second_momentum_buffers=second_momentum_buffers, masters=masters):
@@ -140,7 +146,7 @@ def muon_step(
     lists = _lists("muon_step", params=params, grads=grads, momentum_buffers=momentum_buffers,
                    second_momentum_buffers=second_momentum_buffers, masters=masters)
     lr_value, lr_tensor = _split_lr("muon_step", lr, lists)
-    _call("muon_step", _entry("muon_step", params[0]), lists, lr=lr_value, lr_tensor=lr_tensor,
+    _call("muon_step", *_entry("muon_step", params[0], checked), lists, lr=lr_value, lr_tensor=lr_tensor,
           momentum=float(momentum), nesterov=bool(nesterov), beta2=None if beta2 is None else float(beta2),
           weight_decay=float(weight_decay), ns_steps=int(ns_steps),
           ns_coefficients=_flat_coefficients("muon_step", ns_coefficients, ns_steps), lr_scale=str(lr_scale),
@@ -167,7 +173,7 @@ def muon_momentum(
     if not _has_work("muon_momentum", updates, grads=grads, momentum_buffers=momentum_buffers, base="updates"):
         return
     lists = _lists("muon_momentum", grads=grads, momentum_buffers=momentum_buffers, updates=updates)
-    _call("muon_momentum", _ops.muon_momentum, lists, momentum=float(momentum), nesterov=bool(nesterov),
+    _call("muon_momentum", _ops.muon_momentum, {}, lists, momentum=float(momentum), nesterov=bool(nesterov),
           inv_scale=inv_scale, found_inf=found_inf)
 
 
@@ -194,7 +200,7 @@ def muon_orthogonalize(
                      base="updates", optional=("second_momentum_buffers",)):
         return
     lists = _lists("muon_orthogonalize", updates=updates, second_momentum_buffers=second_momentum_buffers)
-    _call("muon_orthogonalize", _ops.muon_orthogonalize, lists, beta2=None if beta2 is None else float(beta2),
+    _call("muon_orthogonalize", _ops.muon_orthogonalize, {}, lists, beta2=None if beta2 is None else float(beta2),
           ns_steps=int(ns_steps), ns_coefficients=_flat_coefficients("muon_orthogonalize", ns_coefficients, ns_steps),
           max_workspace_bytes=int(max_workspace_bytes),
           polar_row_blocks=_optional_int(polar_row_blocks, "polar_row_blocks"), polar_dtype=str(polar_dtype),
@@ -228,7 +234,7 @@ def muon_apply(
         matrix_shape = tuple(params[0].shape[-2:])
     rows, cols = (int(v) for v in matrix_shape)
     lr_value, lr_tensor = _split_lr("muon_apply", lr, lists)
-    _call("muon_apply", _ops.muon_apply, lists, lr=lr_value, lr_tensor=lr_tensor, weight_decay=float(weight_decay),
+    _call("muon_apply", _ops.muon_apply, {}, lists, lr=lr_value, lr_tensor=lr_tensor, weight_decay=float(weight_decay),
           lr_scale=str(lr_scale), rows=rows, cols=cols, found_inf=found_inf)
 
 
@@ -271,15 +277,16 @@ def _optional_int(value, name):
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
-def _entry(name: str, first: torch.Tensor):
-    """The callable for op `name`: torch.ops.muon_ext.<name>, or for a plain eager
-    call (no compile, no dispatch mode, no tensor subclass) its pybind twin in
-    `_C`, which runs the same checks and kernels without the ~70 ns per list
-    entry of a torch.ops call's generic argument conversion (csrc/ops.h)."""
+def _entry(name: str, first: torch.Tensor, checked):
+    """(callable, extra settings) for step op `name`: torch.ops.muon_ext.<name>,
+    or for a plain eager call (no compile, no dispatch mode, no tensor subclass)
+    its pybind twin in `_C`, which runs the same checks and kernels without the
+    ~70 ns per list entry of a torch.ops call's generic argument conversion and
+    takes the step check's token (csrc/ops.h; docs/design.md, "Ops (torch.library)")."""
     if (type(first) in _PLAIN_TENSOR_TYPES and not torch.compiler.is_compiling()
             and torch._C._len_torch_dispatch_stack() == 0):
-        return getattr(_C, name)
-    return getattr(_ops, name)
+        return getattr(_C, name), {"checked": checked}
+    return getattr(_ops, name), {}
 
 
 def _lists(op: str, **arguments) -> dict:
@@ -301,14 +308,14 @@ def _require_tensor(op: str, name: str, value) -> torch.Tensor:
 _OPTIONAL_TENSORS = ("inv_scale", "found_inf")
 
 
-def _call(op: str, fn, lists: dict, **settings) -> None:
-    """fn(*lists, **settings). Where it fails because an argument or list
+def _call(op: str, fn, extra: dict, lists: dict, **settings) -> None:
+    """fn(*lists, **settings, **extra). Where it fails because an argument or list
     entry is not a tensor, the error was pybind's or the dispatcher's generic
     conversion error (a signature dump), so raise one naming the op, argument
     and index instead. Looking only after a failure costs the common path
     nothing."""
     try:
-        fn(*lists.values(), **settings)
+        fn(*lists.values(), **settings, **extra)
     except (TypeError, RuntimeError):
         for name, entries in lists.items():
             for i, value in enumerate(entries):

@@ -218,9 +218,12 @@ def calls(blocks: Optional[RowBlocks], params, grads, moms, stats, masters) -> I
 
 
 def muon_step(blocks: Optional[RowBlocks], group: dict, params, grads, moms, stats, masters, *, inv_scale,
-              found_inf, max_workspace_bytes: int) -> None:
+              found_inf, max_workspace_bytes: int, checked=None) -> None:
     """The fused Muon step (`ops.muon_step` under `group`'s settings) on a work item's matrices, one call per
-    block size and scale (one call without blocks): the runners' single place that calls it."""
+    block size and scale (one call without blocks): the runners' single place that calls it. `checked`: the
+    planner's token for the item's lists, handed to the op only where the call takes those very lists."""
+    if blocks is not None:
+        checked = None  # the calls take block views, which the token does not cover
     for scale, (ps, gs, ms, ss, masters_) in calls(blocks, params, grads, moms, stats, masters):
         lr, weight_decay = scaled(group["lr"], group["weight_decay"], scale)
         ops.muon_step(ps, gs, ms, ss, masters=masters_, lr=lr, momentum=group["momentum"],
@@ -228,7 +231,7 @@ def muon_step(blocks: Optional[RowBlocks], group: dict, params, grads, moms, sta
                       ns_steps=group["ns_steps"], ns_coefficients=group["ns_coefficients"],
                       lr_scale=group["lr_scale"], polar_dtype=group["polar_dtype"],
                       polar_method=group["polar_method"], inv_scale=inv_scale, found_inf=found_inf,
-                      max_workspace_bytes=max_workspace_bytes)
+                      max_workspace_bytes=max_workspace_bytes, checked=checked)
 
 
 def orthogonalize_blocks(blocks: Optional[RowBlocks], whole: List[torch.Tensor], stats: List[torch.Tensor],

@@ -9,8 +9,9 @@ A runner is what `MuonAdamW.step` hands the checked work items to. Two exist:
     brought into a staging slot before its kernel call and sent back after.
 
 The protocol the optimizer calls:
-  * `run(work, groups, scalers)`: the step's planned (item, state) pairs, every
-    check passed; `retry_stale_writers(work)` after them; `drain()`: wait for copies still in flight (state then
+  * `run(work, groups, scalers)`: the step's planned (item, state, checked)
+    triples (buckets.PlannedItem), every check passed; `retry_stale_writers(work)`
+    after them; `drain()`: wait for copies still in flight (state then
     authoritative); `residency`: "cpu_resident", "step_active" or
     "staging_released"; `staged`: whether state is staged at all.
   * Lifecycle hooks, no-ops when resident: `check_group` / `add` (a new param
@@ -46,9 +47,10 @@ class ResidentRunner:
 
     # -- the protocol -----------------------------------------------------
 
-    def run(self, work: List[Tuple[WorkItem, StateLists]], groups: List[dict], scalers: GradScalerInputs) -> None:
-        for item, state in work:
-            self._run_item(item, state, scalers)
+    def run(self, work: List[Tuple[WorkItem, StateLists, Optional[object]]], groups: List[dict],
+            scalers: GradScalerInputs) -> None:
+        for item, state, checked in work:
+            self._run_item(item, state, scalers, checked)
 
     def drain(self) -> None:
         """Nothing is in flight: kernels and writers run on the caller's stream."""
@@ -75,7 +77,7 @@ class ResidentRunner:
         states = self.states
         if not states.stale_writers:
             return
-        ran = {id(p) for item, _ in work for p in item.params if not item.bucket.writes_params}
+        ran = {id(p) for item, *_ in work for p in item.params if not item.bucket.writes_params}
         retry = [info for key, info in states.stale_writers.items() if key not in ran]
         if retry:
             self.drain()  # staged: the step's copies of the masters back to their slabs
@@ -85,13 +87,14 @@ class ResidentRunner:
 
     # -- one item ---------------------------------------------------------
 
-    def _run_item(self, item: WorkItem, state: StateLists, scalers: GradScalerInputs) -> None:
+    def _run_item(self, item: WorkItem, state: StateLists, scalers: GradScalerInputs, checked=None) -> None:
+        """`checked`: the planner's token for this item's lists (buckets.PlannedItem), handed to the op."""
         kernel_item, kernel_state = self.acquire(item, state)
         inv_scale, found_inf = scalers.on(kernel_item.params[0].device)
         if item.bucket.kind == "adamw":
-            self._adamw(kernel_item, kernel_state, inv_scale, found_inf)
+            self._adamw(kernel_item, kernel_state, inv_scale, found_inf, checked)
         else:
-            self._muon(kernel_item, kernel_state, inv_scale, found_inf)
+            self._muon(kernel_item, kernel_state, inv_scale, found_inf, checked)
         self._write(item, kernel_state.get("master_param"), found_inf)
         self.release(item)
 
@@ -120,7 +123,7 @@ class ResidentRunner:
             return item.params, state.get("master_param", ())
         return state["master_param"], ()
 
-    def _adamw(self, item: WorkItem, state: StateLists, inv_scale, found_inf) -> None:
+    def _adamw(self, item: WorkItem, state: StateLists, inv_scale, found_inf, checked) -> None:
         group = item.group
         params, masters = self._kernel_params(item, state)
         beta1, beta2 = group["betas"]
@@ -133,10 +136,10 @@ class ResidentRunner:
             params, item.grads, state["exp_avg"], state["exp_avg_sq"], state["step"],
             masters=masters, lr=lr, beta1=beta1,
             beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], adam_w_mode=group["adam_w_mode"],
-            bias_correction=group["bias_correction"], inv_scale=inv_scale, found_inf=found_inf,
+            bias_correction=group["bias_correction"], inv_scale=inv_scale, found_inf=found_inf, checked=checked,
         )
 
-    def _muon(self, item: WorkItem, state: StateLists, inv_scale, found_inf) -> None:
+    def _muon(self, item: WorkItem, state: StateLists, inv_scale, found_inf, checked) -> None:
         group, view = item.group, item.group["matrix_view"]
         params, masters = self._kernel_params(item, state)
         second_moments = []
@@ -150,4 +153,4 @@ class ResidentRunner:
         if view == "flatten":  # the only view that is not the tensors themselves
             params, grads, moms, masters = ([as_matrices(t, view) for t in ts] for ts in (params, grads, moms, masters))
         row_blocks.muon_step(item.blocks, group, params, grads, moms, second_moments, masters, inv_scale=inv_scale,
-                             found_inf=found_inf, max_workspace_bytes=self.max_workspace_bytes)
+                             found_inf=found_inf, max_workspace_bytes=self.max_workspace_bytes, checked=checked)

@@ -22,8 +22,9 @@ struct MathOps<float> {
   MUON_HD static float sqrt(float x) { return ::sqrtf(x); }
 };
 
-// How the FP32 master of a parameter is stored.
-enum class MasterKind : int {
+// How the FP32 master of a parameter is stored: the master mode (Python: the
+// MasterMode strings "none", "fp32", "remainder" of muon_ext/_types.py).
+enum class MasterMode : int {
   kNone = 0,       // the param is its own master (FP32 param, or master_weights=False)
   kFP32 = 1,       // separate FP32 master tensor
   kRemainder = 2,  // BF16 param + int16 remainder (see remainder.h)

@@ -76,11 +76,11 @@ const IsaKernels& checked_kernels(const char* op, CpuCapability capability) {
 }
 
 // FP32 params are their own master; only BF16 params carry remainders.
-bool is_supported(ScalarKind param, MasterKind master) {
+bool is_supported(ScalarKind param, MasterMode master) {
   switch (master) {
-    case MasterKind::kNone: return true;
-    case MasterKind::kFP32: return param != ScalarKind::kFloat32;
-    case MasterKind::kRemainder: return param == ScalarKind::kBFloat16;
+    case MasterMode::kNone: return true;
+    case MasterMode::kFP32: return param != ScalarKind::kFloat32;
+    case MasterMode::kRemainder: return param == ScalarKind::kBFloat16;
   }
   return false;
 }
@@ -91,8 +91,8 @@ void adamw_step(const AdamWBatch& batch, const AdamWHyper& hyper, float lr, floa
                 CpuCapability capability) {
   // Everything that can be refused is refused before a step counter moves.
   const IsaKernels& kernels = checked_kernels("adamw_step", capability);
-  TORCH_CHECK(is_supported(batch.param_kind, batch.master_kind), "adamw_step: master kind ",
-              static_cast<int>(batch.master_kind), " is not supported for this param dtype");
+  TORCH_CHECK(is_supported(batch.param_kind, batch.master_mode), "adamw_step: master mode ",
+              static_cast<int>(batch.master_mode), " is not supported for this param dtype");
   std::vector<AdamWCoeffs<float>> coeffs;
   coeffs.reserve(batch.tensors.size());
   for (const AdamWTensor& t : batch.tensors) {
@@ -100,10 +100,6 @@ void adamw_step(const AdamWBatch& batch, const AdamWHyper& hyper, float lr, floa
     coeffs.push_back(make_adamw_coeffs(hyper, lr, *t.step, inv_scale));
   }
   kernels.apply(batch, coeffs);
-}
-
-void adamw_step(const AdamWBatch& batch, const AdamWHyper& hyper, float lr, float inv_scale) {
-  adamw_step(batch, hyper, lr, inv_scale, best_capability());
 }
 
 void split_master_block(const float* master, uint16_t* hi, int16_t* rem, int64_t n, CpuCapability capability) {

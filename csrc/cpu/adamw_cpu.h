@@ -29,17 +29,15 @@ struct AdamWTensor {
 struct AdamWBatch {
   ScalarKind param_kind;
   ScalarKind grad_kind;
-  MasterKind master_kind;
+  MasterMode master_mode;
   std::vector<AdamWTensor> tensors;
 };
 
 // Advances each tensor's step counter by one, then applies one AdamW step to
-// every element, using the best instruction set this machine supports.
-// Skipping on a found-inf flag is the caller's decision (it must not call).
-void adamw_step(const AdamWBatch& batch, const AdamWHyper& hyper, float lr, float inv_scale);
-
-// Same, with an explicit instruction set (for tests); the capability must be
-// supported by this build and this machine.
+// every element with the kernels of `capability` (the op passes
+// best_capability(), tests each one), which must be supported by this build
+// and this machine.  Skipping on a found-inf flag is the caller's decision
+// (it must not call).
 void adamw_step(const AdamWBatch& batch, const AdamWHyper& hyper, float lr, float inv_scale,
                 CpuCapability capability);
 

@@ -108,12 +108,12 @@ void adamw_remainder_fused(const AdamWTensor& t, int64_t begin, int64_t end, con
 }
 #endif
 
-template <ScalarKind P, ScalarKind G, MasterKind M>
+template <ScalarKind P, ScalarKind G, MasterMode M>
 void adamw_range(const AdamWTensor& t, int64_t begin, int64_t end, const AdamWCoeffs<float>& c) {
   const AdamWCoeffs<Vec> cv = broadcast(c);
 #if defined(MUON_EXT_REMAINDER_SIMD)
   // FP16 grads stay on the staged loop: only FP32 and BF16 loads have a vector form here.
-  if constexpr (M == MasterKind::kRemainder && G != ScalarKind::kFloat16) {
+  if constexpr (M == MasterMode::kRemainder && G != ScalarKind::kFloat16) {
     adamw_remainder_fused<G>(t, begin, end, c, cv);
     return;
   }
@@ -132,9 +132,9 @@ void adamw_range(const AdamWTensor& t, int64_t begin, int64_t end, const AdamWCo
     }
 
     float* p;
-    if constexpr (M == MasterKind::kFP32) {
+    if constexpr (M == MasterMode::kFP32) {
       p = static_cast<float*>(t.master) + start;
-    } else if constexpr (M == MasterKind::kRemainder) {
+    } else if constexpr (M == MasterMode::kRemainder) {
       const uint16_t* hi = static_cast<const uint16_t*>(t.param) + start;
       const int16_t* rem = static_cast<const int16_t*>(t.master) + start;
       for (int64_t j = 0; j < n; ++j) master_buf[j] = merge_master(hi[j], rem[j]);
@@ -148,7 +148,7 @@ void adamw_range(const AdamWTensor& t, int64_t begin, int64_t end, const AdamWCo
 
     adamw_contiguous(p, t.exp_avg + start, t.exp_avg_sq + start, g, n, c, cv);
 
-    if constexpr (M == MasterKind::kRemainder) {
+    if constexpr (M == MasterMode::kRemainder) {
       uint16_t* hi = static_cast<uint16_t*>(t.param) + start;
       int16_t* rem = static_cast<int16_t*>(t.master) + start;
       for (int64_t j = 0; j < n; ++j) {
@@ -164,7 +164,7 @@ void adamw_range(const AdamWTensor& t, int64_t begin, int64_t end, const AdamWCo
 
 using RangeFn = void (*)(const AdamWTensor&, int64_t, int64_t, const AdamWCoeffs<float>&);
 
-template <ScalarKind P, MasterKind M>
+template <ScalarKind P, MasterMode M>
 RangeFn pick_grad(ScalarKind g) {
   switch (g) {
     case ScalarKind::kFloat32: return &adamw_range<P, ScalarKind::kFloat32, M>;
@@ -174,22 +174,22 @@ RangeFn pick_grad(ScalarKind g) {
   return nullptr;
 }
 
-RangeFn pick_range_fn(ScalarKind p, ScalarKind g, MasterKind m) {
+RangeFn pick_range_fn(ScalarKind p, ScalarKind g, MasterMode m) {
   switch (p) {
     case ScalarKind::kFloat32:
-      return m == MasterKind::kNone ? pick_grad<ScalarKind::kFloat32, MasterKind::kNone>(g) : nullptr;
+      return m == MasterMode::kNone ? pick_grad<ScalarKind::kFloat32, MasterMode::kNone>(g) : nullptr;
     case ScalarKind::kBFloat16:
       switch (m) {
-        case MasterKind::kNone: return pick_grad<ScalarKind::kBFloat16, MasterKind::kNone>(g);
-        case MasterKind::kFP32: return pick_grad<ScalarKind::kBFloat16, MasterKind::kFP32>(g);
-        case MasterKind::kRemainder: return pick_grad<ScalarKind::kBFloat16, MasterKind::kRemainder>(g);
+        case MasterMode::kNone: return pick_grad<ScalarKind::kBFloat16, MasterMode::kNone>(g);
+        case MasterMode::kFP32: return pick_grad<ScalarKind::kBFloat16, MasterMode::kFP32>(g);
+        case MasterMode::kRemainder: return pick_grad<ScalarKind::kBFloat16, MasterMode::kRemainder>(g);
       }
       return nullptr;
     case ScalarKind::kFloat16:
       switch (m) {
-        case MasterKind::kNone: return pick_grad<ScalarKind::kFloat16, MasterKind::kNone>(g);
-        case MasterKind::kFP32: return pick_grad<ScalarKind::kFloat16, MasterKind::kFP32>(g);
-        case MasterKind::kRemainder: return nullptr;
+        case MasterMode::kNone: return pick_grad<ScalarKind::kFloat16, MasterMode::kNone>(g);
+        case MasterMode::kFP32: return pick_grad<ScalarKind::kFloat16, MasterMode::kFP32>(g);
+        case MasterMode::kRemainder: return nullptr;
       }
       return nullptr;
   }
@@ -219,7 +219,7 @@ void merge_master_block(const uint16_t* hi, const int16_t* rem, float* master, i
 }
 
 void adamw_apply(const AdamWBatch& batch, const std::vector<AdamWCoeffs<float>>& coeffs) {
-  const RangeFn range_fn = pick_range_fn(batch.param_kind, batch.grad_kind, batch.master_kind);
+  const RangeFn range_fn = pick_range_fn(batch.param_kind, batch.grad_kind, batch.master_mode);
   TORCH_CHECK(range_fn != nullptr, "adamw_apply: unsupported dtype / master combination");
   TORCH_CHECK(coeffs.size() == batch.tensors.size(), "adamw_apply: one coefficient set per tensor expected");
 

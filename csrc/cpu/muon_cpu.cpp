@@ -29,6 +29,7 @@
 #include "../common/bits.h"
 #include "../common/polar_plan.h"
 #include "../common/remainder.h"
+#include "../common/shapes.h"
 #include "polar_small.h"
 #include "scalar_io.h"
 #include "scalar_kind.h"
@@ -424,8 +425,8 @@ void polar_express(at::Tensor& x, const std::vector<std::array<float, 3>>& coeff
 template <typename SecondMoment>
 void normuon_multipliers(int64_t rows, int64_t cols, float beta2, int64_t count, const float* xs,
                          const SecondMoment& second_moment, std::vector<float>& mult) {
-  const int64_t len = rows >= cols ? rows : cols, red = rows >= cols ? cols : rows;
-  const bool per_row = rows >= cols;
+  const int64_t len = shapes::stat_length(rows, cols), red = shapes::reduced_length(rows, cols);
+  const bool per_row = shapes::stats_per_row(rows, cols);
   mult.assign(count * len, 0.0f);
   at::parallel_for(0, count, 1, [&](int64_t first, int64_t last) {
     std::vector<double> sums(len);
@@ -460,7 +461,7 @@ void normuon_multipliers(int64_t rows, int64_t cols, float beta2, int64_t count,
 // weight decay, then the param (and master / remainder) written back.  Runs
 // row by row so the inner loop is branch-free and vectorizes; without NorMuon
 // the multiplier is 1, and x * 1 == x exactly.
-template <ScalarKind P, MasterKind M>
+template <ScalarKind P, MasterMode M>
 void apply_range(void* param, void* master, const float* x, const float* mult, bool per_row, int64_t cols,
                  int64_t offset, int64_t begin, int64_t end, float lr, float lr_wd) {
   static const float kOne = 1.0f;
@@ -474,42 +475,42 @@ void apply_range(void* param, void* master, const float* x, const float* mult, b
       const float update = x[k] * scale[(k - row_start) * stride];
       const int64_t i = offset + k;
       float p;
-      if constexpr (M == MasterKind::kFP32) {
+      if constexpr (M == MasterMode::kFP32) {
         p = static_cast<const float*>(master)[i];
-      } else if constexpr (M == MasterKind::kRemainder) {
+      } else if constexpr (M == MasterMode::kRemainder) {
         p = merge_master(static_cast<const uint16_t*>(param)[i], static_cast<const int16_t*>(master)[i]);
       } else {
         p = load_scalar<P>(param, i);
       }
       p = muon_ext::muon_apply(p, update, lr, lr_wd);
-      if constexpr (M == MasterKind::kRemainder) {
+      if constexpr (M == MasterMode::kRemainder) {
         const RemainderSplit s = split_master(p);
         static_cast<uint16_t*>(param)[i] = s.bf16_bits;
         static_cast<int16_t*>(master)[i] = s.remainder;
       } else {
-        if constexpr (M == MasterKind::kFP32) static_cast<float*>(master)[i] = p;
+        if constexpr (M == MasterMode::kFP32) static_cast<float*>(master)[i] = p;
         store_rne<P>(param, i, p);
       }
     }
   }
 }
 
-// Calls fn(std::integral_constant<ScalarKind, P>, std::integral_constant<MasterKind, M>)
+// Calls fn(std::integral_constant<ScalarKind, P>, std::integral_constant<MasterMode, M>)
 // for a param dtype and master kind the checks admitted.
 template <typename Fn>
-void dispatch_param(at::ScalarType param_dtype, MasterKind master_kind, const Fn& fn) {
+void dispatch_param(at::ScalarType param_dtype, MasterMode master_mode, const Fn& fn) {
   dispatch_storage(scalar_kind(param_dtype), [&](auto param_storage) {
     constexpr ScalarKind P = decltype(param_storage)::value;
-    switch (master_kind) {
-      case MasterKind::kNone: return fn(param_storage, std::integral_constant<MasterKind, MasterKind::kNone>{});
-      case MasterKind::kFP32:
+    switch (master_mode) {
+      case MasterMode::kNone: return fn(param_storage, std::integral_constant<MasterMode, MasterMode::kNone>{});
+      case MasterMode::kFP32:
         if constexpr (P != ScalarKind::kFloat32) {
-          return fn(param_storage, std::integral_constant<MasterKind, MasterKind::kFP32>{});
+          return fn(param_storage, std::integral_constant<MasterMode, MasterMode::kFP32>{});
         }
         break;
-      case MasterKind::kRemainder:
+      case MasterMode::kRemainder:
         if constexpr (P == ScalarKind::kBFloat16) {
-          return fn(param_storage, std::integral_constant<MasterKind, MasterKind::kRemainder>{});
+          return fn(param_storage, std::integral_constant<MasterMode, MasterMode::kRemainder>{});
         }
         break;
     }
@@ -522,9 +523,9 @@ void apply_update(const MuonBucket& b, const std::vector<MatrixRef>& mats, const
   const int64_t n = b.matrix_numel(), len = b.stat_length();
   const bool per_row = b.rows >= b.cols;
   const float* xs = x.const_data_ptr<float>();
-  dispatch_param(b.params[0].scalar_type(), b.master_kind, [&](auto param_storage, auto master_kind) {
+  dispatch_param(b.params[0].scalar_type(), b.master_mode, [&](auto param_storage, auto master_mode) {
     constexpr ScalarKind P = decltype(param_storage)::value;
-    constexpr MasterKind M = decltype(master_kind)::value;
+    constexpr MasterMode M = decltype(master_mode)::value;
     const std::vector<void*> params = data_pointers(b.params);
     const std::vector<void*> masters = data_pointers(b.masters);
     for_each_matrix_range(static_cast<int64_t>(mats.size()), n, [&](int64_t j, int64_t begin, int64_t end) {
@@ -539,8 +540,8 @@ void apply_update(const MuonBucket& b, const std::vector<MatrixRef>& mats, const
 // NorMuon's multipliers folded into X: x = x * mult[row or col], the product
 // the fused apply forms, so phase 3 reads the same update values.
 void fold_multipliers(float* xs, int64_t count, int64_t rows, int64_t cols, const std::vector<float>& mult) {
-  const int64_t n = rows * cols, len = rows >= cols ? rows : cols;
-  const bool per_row = rows >= cols;
+  const int64_t n = rows * cols, len = shapes::stat_length(rows, cols);
+  const bool per_row = shapes::stats_per_row(rows, cols);
   for_each_matrix_range(count, n, [&](int64_t j, int64_t begin, int64_t end) {
     float* x = xs + j * n;
     const float* m = mult.data() + j * len;
@@ -562,7 +563,9 @@ void muon_step(const MuonBucket& b, const MuonStepOptions& o) {
   if (all.empty()) return;
 
   const float inv_scale = o.inv_scale.has_value() ? o.inv_scale->item<float>() : 1.0f;
-  const float lr = (o.lr_tensor.has_value() ? o.lr_tensor->item<float>() : static_cast<float>(o.lr)) * o.lr_factor;
+  // The op read a tensor lr on the host once (ops.cpp, host_lr) and passes its value.
+  TORCH_INTERNAL_ASSERT(!o.lr_tensor.has_value(), "cpu::muon_step takes the lr as a value");
+  const float lr = static_cast<float>(o.lr) * o.lr_factor;
   const float lr_wd = lr * o.hyper.weight_decay;
 
   // Scratch per matrix: X, and for Polar-Express A, B (side^2) plus the next X
@@ -633,9 +636,9 @@ void muon_orthogonalize(const MuonOrthogonalizeArgs& args) {
 
 void muon_apply(const MuonApplyArgs& args, float lr) {
   const float lr_wd = lr * args.weight_decay;
-  dispatch_param(args.params[0].scalar_type(), args.master_kind, [&](auto param_storage, auto master_kind) {
+  dispatch_param(args.params[0].scalar_type(), args.master_mode, [&](auto param_storage, auto master_mode) {
     constexpr ScalarKind P = decltype(param_storage)::value;
-    constexpr MasterKind M = decltype(master_kind)::value;
+    constexpr MasterMode M = decltype(master_mode)::value;
     for (size_t i = 0; i < args.params.size(); ++i) {
       const int64_t numel = args.params[i].numel();
       if (numel == 0) continue;

@@ -1,7 +1,7 @@
 // CPU split / merge of FP32 masters into BF16 + int16 remainders.
 #include <ATen/Parallel.h>
 
-#include "../remainder_ops.h"
+#include "../remainder_kernels.h"
 #include "adamw_cpu.h"
 
 namespace muon_ext {

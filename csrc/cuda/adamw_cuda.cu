@@ -48,9 +48,9 @@ __device__ __forceinline__ void store_pack(T* base, int64_t i, const Pack<T, W>&
 }
 
 // Operand order in the tensor lists: param, grad, exp_avg, exp_avg_sq[, master].
-template <typename P, typename G, MasterKind M>
+template <typename P, typename G, MasterMode M>
 struct AdamWFunctor {
-  static constexpr int kDepth = M == MasterKind::kNone ? 4 : 5;
+  static constexpr int kDepth = M == MasterMode::kNone ? 4 : 5;
   using param_t = typename P::storage;
   using grad_t = typename G::storage;
   // The master operand: FP32 master tensor or int16 remainder (unused for kNone).
@@ -99,7 +99,7 @@ struct AdamWFunctor {
       Pack<float, W> m = load_pack<W>(exp_avg, i);
       Pack<float, W> v = load_pack<W>(exp_avg_sq, i);
       Pack<master_t, W> master_pack;
-      if constexpr (M != MasterKind::kNone) master_pack = load_pack<W>(master, i);
+      if constexpr (M != MasterMode::kNone) master_pack = load_pack<W>(master, i);
 
 #pragma unroll
       for (int j = 0; j < W; ++j) {
@@ -114,7 +114,7 @@ struct AdamWFunctor {
       store_pack<W>(param, i, param_pack);
       store_pack<W>(exp_avg, i, m);
       store_pack<W>(exp_avg_sq, i, v);
-      if constexpr (M != MasterKind::kNone) store_pack<W>(master, i, master_pack);
+      if constexpr (M != MasterMode::kNone) store_pack<W>(master, i, master_pack);
     }
   }
 };
@@ -147,14 +147,14 @@ void increment_steps(const std::vector<at::Tensor>& steps, const float* found_in
 }
 
 // Steps first, then the element kernel that reads them, on the same stream.
-template <typename P, typename G, MasterKind M>
+template <typename P, typename G, MasterMode M>
 void launch_adamw(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                   const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
                   const std::vector<at::Tensor>& masters, const std::vector<at::Tensor>& steps,
                   const AdamWFunctor<P, G, M>& functor) {
   // Every param's counter advances, empty params included, as on the CPU.
   increment_steps(steps, functor.found_inf_ptr, at::cuda::getCurrentCUDAStream());
-  if constexpr (M == MasterKind::kNone) {
+  if constexpr (M == MasterMode::kNone) {
     multi_tensor_apply<4>({&params, &grads, &exp_avgs, &exp_avg_sqs}, &steps, kChunkSize, functor);
   } else {
     multi_tensor_apply<5>({&params, &grads, &exp_avgs, &exp_avg_sqs, &masters}, &steps, kChunkSize, functor);
@@ -166,21 +166,21 @@ void launch_adamw(const std::vector<at::Tensor>& params, const std::vector<at::T
 void adamw_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                 const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
                 const std::vector<at::Tensor>& masters, const std::vector<at::Tensor>& steps,
-                MasterKind master_kind, const AdamWHyper& hyper, double lr,
+                MasterMode master_mode, const AdamWHyper& hyper, double lr,
                 const c10::optional<at::Tensor>& lr_tensor, const c10::optional<at::Tensor>& inv_scale,
                 const c10::optional<at::Tensor>& found_inf) {
   if (params.empty()) return;
   // Checked before anything is enqueued, so a bad call leaves no step counted.
   const size_t count = params.size();
   TORCH_CHECK(grads.size() == count && exp_avgs.size() == count && exp_avg_sqs.size() == count &&
-                  steps.size() == count && (master_kind == MasterKind::kNone || masters.size() == count),
+                  steps.size() == count && (master_mode == MasterMode::kNone || masters.size() == count),
               "adamw_step: every tensor list needs one entry per param");
   const c10::cuda::CUDAGuard device_guard(params.front().device());
   const float* found_inf_ptr = found_inf.has_value() ? found_inf->const_data_ptr<float>() : nullptr;
 
-  dispatch_param(params.front().scalar_type(), master_kind, [&](auto param_format, auto master_constant) {
+  dispatch_param(params.front().scalar_type(), master_mode, [&](auto param_format, auto master_constant) {
     using P = decltype(param_format);
-    constexpr MasterKind M = decltype(master_constant)::value;
+    constexpr MasterMode M = decltype(master_constant)::value;
     dispatch_storage(grads.front().scalar_type(), "grad", [&](auto grad_format) {
       using G = decltype(grad_format);
       const AdamWFunctor<P, G, M> functor{hyper,

@@ -22,7 +22,7 @@ namespace cuda {
 void adamw_step(const std::vector<at::Tensor>& params, const std::vector<at::Tensor>& grads,
                 const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
                 const std::vector<at::Tensor>& masters, const std::vector<at::Tensor>& steps,
-                MasterKind master_kind, const AdamWHyper& hyper, double lr,
+                MasterMode master_mode, const AdamWHyper& hyper, double lr,
                 const c10::optional<at::Tensor>& lr_tensor, const c10::optional<at::Tensor>& inv_scale,
                 const c10::optional<at::Tensor>& found_inf);
 

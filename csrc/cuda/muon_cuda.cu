@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "../common/muon_math.h"
+#include "../common/shapes.h"
 #include "multi_tensor_apply.cuh"
 #include "muon_pointers.cuh"
 #include "polar_express_cuda.h"
@@ -365,9 +366,9 @@ struct LrArgs {
 
 // Cautious weight decay and the update on the FP32 master, written back to
 // the param and its master or remainder (fused step, phase 3).
-template <typename P, MasterKind M>
+template <typename P, MasterMode M>
 struct ParamSink {
-  static constexpr int kDepth = M == MasterKind::kNone ? 1 : 2;  // param[, master]
+  static constexpr int kDepth = M == MasterMode::kNone ? 1 : 2;  // param[, master]
   using param_t = typename P::storage;
   using master_t = master_storage_t<M>;
   param_t* param;
@@ -378,14 +379,14 @@ struct ParamSink {
   __device__ __forceinline__ static ParamSink make(void* const* address, bool vectorized, const LrArgs& args) {
     const float lr = (args.lr_ptr != nullptr ? *args.lr_ptr : args.lr) * args.lr_factor;
     master_t* master = nullptr;
-    if constexpr (M != MasterKind::kNone) master = static_cast<master_t*>(address[1]);
+    if constexpr (M != MasterMode::kNone) master = static_cast<master_t*>(address[1]);
     return {static_cast<param_t*>(address[0]), master, vectorized, lr, lr * args.weight_decay};
   }
 
   __device__ __forceinline__ void operator()(int64_t i, int count, const Pack<float>& update) const {
     Pack<param_t> p_pack = load_pack(param, i, count, vectorized);
     Pack<master_t> m_pack{};
-    if constexpr (M != MasterKind::kNone) m_pack = load_pack(master, i, count, vectorized);
+    if constexpr (M != MasterMode::kNone) m_pack = load_pack(master, i, count, vectorized);
 #pragma unroll
     for (int j = 0; j < kILP; ++j) {
       if (j >= count) continue;
@@ -394,7 +395,7 @@ struct ParamSink {
       store_master<P, M>(p, p_pack.val[j], m_pack.val[j]);
     }
     store_pack(param, i, count, vectorized, p_pack);
-    if constexpr (M != MasterKind::kNone) store_pack(master, i, count, vectorized, m_pack);
+    if constexpr (M != MasterMode::kNone) store_pack(master, i, count, vectorized, m_pack);
   }
 };
 
@@ -497,7 +498,7 @@ struct MomentumFunctor {
 };
 
 // Phase 3, through multi_tensor_apply; operands param[, master], update.
-template <typename P, MasterKind M>
+template <typename P, MasterMode M>
 struct ApplyFunctor {
   using Sink = ParamSink<P, M>;
   static constexpr int kDepth = Sink::kDepth + 1;
@@ -553,7 +554,7 @@ class MatrixChunks {
     matrices_ = list_matrices(tensors, numel_);
     total_ = int64_t(matrices_.size());
     if (total_ == 0) return;
-    stat_length_ = spec.rows >= spec.cols ? spec.rows : spec.cols;
+    stat_length_ = shapes::stat_length(spec.rows, spec.cols);
     blocks_per_matrix_ = ceil_div(numel_, kElementsPerBlock);
 
     // All scratch of one matrix: X, the Polar-Express buffers, the partial sums
@@ -653,7 +654,7 @@ class MatrixChunks {
       const auto* x_bits = static_cast<const typename W::storage*>(x_.const_data_ptr());
       const int64_t rows = spec_.rows, cols = spec_.cols;
       const dim3 sum_grid(unsigned(count * sum_groups_)), sum_block(kWarpSize, kSumRows);
-      if (rows >= cols) {
+      if (shapes::stats_per_row(rows, cols)) {
         normuon_row_sums_kernel<W><<<sum_grid, sum_block, 0, stream>>>(x_bits, rows, cols, sum_groups_,
                                                                      stats_.mutable_data_ptr<float>(), spec_.found_inf);
       } else {
@@ -663,7 +664,7 @@ class MatrixChunks {
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       const NorMuonArgs normuon{.one_minus_beta2 = 1.0f - spec_.beta2,
                                 .stat_length = stat_length_,
-                                .reduced_length = rows >= cols ? cols : rows,
+                                .reduced_length = shapes::reduced_length(rows, cols),
                                 .stats = stats_.mutable_data_ptr<float>(),
                                 .found_inf = spec_.found_inf};
       for_each_matrix_group<1>(matrices_, begin, end, {spec_.second_moments}, stat_length_,
@@ -716,7 +717,7 @@ LrArgs lr_args(double lr, const c10::optional<at::Tensor>& lr_tensor, float lr_f
           .weight_decay = weight_decay};
 }
 
-template <typename G, typename P, MasterKind M>
+template <typename G, typename P, MasterMode M>
 void run_muon_step(const MuonBucket& bucket, const MuonStepOptions& options) {
   const MuonHyper& hyper = options.hyper;
   const MatrixChunks chunks(bucket.params, {.rows = bucket.rows,
@@ -736,7 +737,7 @@ void run_muon_step(const MuonBucket& bucket, const MuonStepOptions& options) {
   const LrArgs lr = lr_args(options.lr, options.lr_tensor, options.lr_factor, hyper.weight_decay);
   using Sink = ParamSink<P, M>;
   OperandLists<Sink::kDepth> sink_operands{&bucket.params};
-  if constexpr (M != MasterKind::kNone) sink_operands[1] = &bucket.masters;
+  if constexpr (M != MasterMode::kNone) sink_operands[1] = &bucket.masters;
 
   chunks.for_each_chunk([&](int64_t begin, int64_t end) {
     chunks.orthogonalize<SteppedMomentum<G>, StoredMomentum<G>>(begin, end, {&bucket.grads, &bucket.momentum_buffers},
@@ -752,12 +753,12 @@ void muon_step(const MuonBucket& bucket, const MuonStepOptions& options) {
   const size_t count = bucket.params.size();
   TORCH_CHECK(bucket.grads.size() == count && bucket.momentum_buffers.size() == count &&
                   (!options.hyper.normuon || bucket.second_momentum_buffers.size() == count) &&
-                  (bucket.master_kind == MasterKind::kNone || bucket.masters.size() == count),
+                  (bucket.master_mode == MasterMode::kNone || bucket.masters.size() == count),
               "muon_step: every tensor list needs one entry per param");
   const c10::cuda::CUDAGuard device_guard(bucket.params.front().device());
   // Unsupported combinations fail here, before anything is enqueued.
   dispatch_storage(bucket.grads.front().scalar_type(), "grad", [&](auto grad_format) {
-    dispatch_param(bucket.params.front().scalar_type(), bucket.master_kind, [&](auto param_format, auto master) {
+    dispatch_param(bucket.params.front().scalar_type(), bucket.master_mode, [&](auto param_format, auto master) {
       run_muon_step<decltype(grad_format), decltype(param_format), decltype(master)::value>(bucket, options);
     });
   });
@@ -805,15 +806,15 @@ void muon_orthogonalize(const MuonOrthogonalizeArgs& args) {
 void muon_apply(const MuonApplyArgs& args) {
   if (args.params.empty()) return;
   const size_t count = args.params.size();
-  TORCH_CHECK(args.updates.size() == count && (args.master_kind == MasterKind::kNone || args.masters.size() == count),
+  TORCH_CHECK(args.updates.size() == count && (args.master_mode == MasterMode::kNone || args.masters.size() == count),
               "muon_apply: every tensor list needs one entry per param");
   const c10::cuda::CUDAGuard device_guard(args.params.front().device());
   const LrArgs lr = lr_args(args.lr, args.lr_tensor, args.lr_factor, args.weight_decay);
   const float* found_inf = optional_ptr(args.found_inf);
-  dispatch_param(args.params.front().scalar_type(), args.master_kind, [&](auto param_format, auto master) {
-    constexpr MasterKind M = decltype(master)::value;
+  dispatch_param(args.params.front().scalar_type(), args.master_mode, [&](auto param_format, auto master) {
+    constexpr MasterMode M = decltype(master)::value;
     const ApplyFunctor<decltype(param_format), M> functor{lr, found_inf};
-    if constexpr (M == MasterKind::kNone) {
+    if constexpr (M == MasterMode::kNone) {
       multi_tensor_apply<2>({&args.params, &args.updates}, nullptr, kElementsPerBlock, functor);
     } else {
       multi_tensor_apply<3>({&args.params, &args.masters, &args.updates}, nullptr, kElementsPerBlock, functor);

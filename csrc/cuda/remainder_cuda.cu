@@ -7,7 +7,7 @@
 #include <algorithm>
 
 #include "../common/remainder.h"
-#include "../remainder_ops.h"
+#include "../remainder_kernels.h"
 
 namespace muon_ext {
 namespace cuda {

@@ -32,31 +32,31 @@ struct Float16 {
   MUON_HD static uint16_t store_rne(float x) { return float_to_half_bits_rne(x); }
 };
 
-// The FP32 master of an element in each MasterKind: the param itself, an FP32
+// The FP32 master of an element in each MasterMode: the param itself, an FP32
 // master, or BF16 param bits + int16 remainder (remainder.h).  Written back
 // as the split for remainders, else rounded to nearest even into the param.
-template <MasterKind M>
-using master_storage_t = std::conditional_t<M == MasterKind::kRemainder, int16_t, float>;
+template <MasterMode M>
+using master_storage_t = std::conditional_t<M == MasterMode::kRemainder, int16_t, float>;
 
-template <typename P, MasterKind M>
+template <typename P, MasterMode M>
 MUON_HD float load_master(typename P::storage param, master_storage_t<M> master) {
-  if constexpr (M == MasterKind::kFP32) {
+  if constexpr (M == MasterMode::kFP32) {
     return master;
-  } else if constexpr (M == MasterKind::kRemainder) {
+  } else if constexpr (M == MasterMode::kRemainder) {
     return merge_master(param, master);
   } else {
     return P::load(param);
   }
 }
 
-template <typename P, MasterKind M>
+template <typename P, MasterMode M>
 MUON_HD void store_master(float p, typename P::storage& param, master_storage_t<M>& master) {
-  if constexpr (M == MasterKind::kRemainder) {
+  if constexpr (M == MasterMode::kRemainder) {
     const RemainderSplit split = split_master(p);
     param = split.bf16_bits;
     master = split.remainder;
   } else {
-    if constexpr (M == MasterKind::kFP32) master = p;
+    if constexpr (M == MasterMode::kFP32) master = p;
     param = P::store_rne(p);
   }
 }
@@ -75,23 +75,23 @@ void dispatch_storage(at::ScalarType dtype, const char* role, Fn&& fn) {
 // Calls fn(param format, master kind constant) for the supported combinations:
 // FP32 params are their own master; only BF16 params store remainders.
 template <typename Fn>
-void dispatch_param(at::ScalarType dtype, MasterKind master_kind, Fn&& fn) {
+void dispatch_param(at::ScalarType dtype, MasterMode master_mode, Fn&& fn) {
   dispatch_storage(dtype, "param", [&](auto format) {
     using P = decltype(format);
-    switch (master_kind) {
-      case MasterKind::kNone: return fn(format, std::integral_constant<MasterKind, MasterKind::kNone>{});
-      case MasterKind::kFP32:
+    switch (master_mode) {
+      case MasterMode::kNone: return fn(format, std::integral_constant<MasterMode, MasterMode::kNone>{});
+      case MasterMode::kFP32:
         if constexpr (!std::is_same_v<P, Float32>) {
-          return fn(format, std::integral_constant<MasterKind, MasterKind::kFP32>{});
+          return fn(format, std::integral_constant<MasterMode, MasterMode::kFP32>{});
         }
         break;
-      case MasterKind::kRemainder:
+      case MasterMode::kRemainder:
         if constexpr (std::is_same_v<P, BFloat16>) {
-          return fn(format, std::integral_constant<MasterKind, MasterKind::kRemainder>{});
+          return fn(format, std::integral_constant<MasterMode, MasterMode::kRemainder>{});
         }
         break;
     }
-    TORCH_CHECK(false, "master kind ", static_cast<int>(master_kind), " is not supported for ", dtype, " params");
+    TORCH_CHECK(false, "master kind ", static_cast<int>(master_mode), " is not supported for ", dtype, " params");
   });
 }
 

@@ -17,7 +17,7 @@ import torch
 
 from .._types import ParamInfo, is_dtensor
 from .. import ops
-from .._shapes import matrix_shape
+from .._shapes import matrix_shape, stats_per_row
 from .placements import is_split, layout_of, local
 
 __all__ = ["zeros", "wrap", "check_values", "stats_follow_rows"]
@@ -28,7 +28,7 @@ def stats_follow_rows(p, group: dict) -> bool:
     param) rather than one per column ((1, cols)) or, with row_blocks, per block (muon_ext.row_blocks): those
     are replicated."""
     rows, cols = matrix_shape(p, group["matrix_view"], "")
-    return rows >= cols and group.get("row_blocks") is None
+    return stats_per_row(rows, cols) and group.get("row_blocks") is None
 
 
 def zeros(p, shape, dtype: torch.dtype, like_param: bool = True, rows_only: bool = False):

@@ -45,13 +45,13 @@ uint16_t rne16(ScalarKind k, float x) { return k == ScalarKind::kBFloat16 ? c10:
 const char* kind_name(ScalarKind k) {
   return k == ScalarKind::kFloat32 ? "f32" : k == ScalarKind::kBFloat16 ? "bf16" : "f16";
 }
-const char* master_name(MasterKind m) {
-  return m == MasterKind::kNone ? "None" : m == MasterKind::kFP32 ? "FP32" : "Remainder";
+const char* master_name(MasterMode m) {
+  return m == MasterMode::kNone ? "None" : m == MasterMode::kFP32 ? "FP32" : "Remainder";
 }
 
 struct Combo {
   ScalarKind param, grad;
-  MasterKind master;
+  MasterMode master;
 };
 
 void PrintTo(const Combo& c, std::ostream* os) {
@@ -73,8 +73,8 @@ struct HostTensor {
     t.grad = combo.grad == ScalarKind::kFloat32 ? static_cast<const void*>(g32.data()) : g16.data();
     t.exp_avg = m.data();
     t.exp_avg_sq = v.data();
-    t.master = combo.master == MasterKind::kFP32       ? static_cast<void*>(master32.data())
-               : combo.master == MasterKind::kRemainder ? static_cast<void*>(rem.data())
+    t.master = combo.master == MasterMode::kFP32       ? static_cast<void*>(master32.data())
+               : combo.master == MasterMode::kRemainder ? static_cast<void*>(rem.data())
                                                         : nullptr;
     t.step = &step;
     t.numel = n;
@@ -83,22 +83,22 @@ struct HostTensor {
 
   float read_master(int64_t i) const {
     switch (combo.master) {
-      case MasterKind::kFP32: return master32[i];
-      case MasterKind::kRemainder: return u2f((uint32_t(p16[i]) << 16) + uint32_t(int32_t(rem[i])));
-      case MasterKind::kNone: break;
+      case MasterMode::kFP32: return master32[i];
+      case MasterMode::kRemainder: return u2f((uint32_t(p16[i]) << 16) + uint32_t(int32_t(rem[i])));
+      case MasterMode::kNone: break;
     }
     return combo.param == ScalarKind::kFloat32 ? p32[i] : upcast16(combo.param, p16[i]);
   }
 
   // The remainder rule where remainders are stored, torch's RNE elsewhere.
   void write_master(int64_t i, float p) {
-    if (combo.master == MasterKind::kRemainder) {
+    if (combo.master == MasterMode::kRemainder) {
       const uint32_t b = f2u(p);
       p16[i] = uint16_t((b >> 16) + ((b & 0xFFFFu) >= 0x8000u));
       rem[i] = int16_t(uint16_t(b & 0xFFFFu));
       return;
     }
-    if (combo.master == MasterKind::kFP32) master32[i] = p;
+    if (combo.master == MasterMode::kFP32) master32[i] = p;
     if (combo.param == ScalarKind::kFloat32) {
       p32[i] = p;
     } else {
@@ -128,8 +128,8 @@ HostTensor make_tensor(const Combo& c, int64_t n, float step, std::mt19937& rng)
   t.v.resize(n);
   if (c.param == ScalarKind::kFloat32) t.p32.resize(n); else t.p16.resize(n);
   if (c.grad == ScalarKind::kFloat32) t.g32.resize(n); else t.g16.resize(n);
-  if (c.master == MasterKind::kFP32) t.master32.resize(n);
-  if (c.master == MasterKind::kRemainder) t.rem.resize(n);
+  if (c.master == MasterMode::kFP32) t.master32.resize(n);
+  if (c.master == MasterMode::kRemainder) t.rem.resize(n);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   for (int64_t i = 0; i < n; ++i) {
     t.write_master(i, i % 13 == 0 ? 0.0f : 0.5f * normal(rng));  // FP32 masters are not BF16-representable
@@ -154,7 +154,7 @@ AdamWBatch make_batch(const Combo& c, std::vector<HostTensor>& ts) {
   AdamWBatch b;
   b.param_kind = c.param;
   b.grad_kind = c.grad;
-  b.master_kind = c.master;
+  b.master_mode = c.master;
   for (HostTensor& t : ts) b.tensors.push_back(t.view());
   return b;
 }
@@ -223,11 +223,11 @@ template <typename T>
 std::vector<Combo> supported_combos() {
   std::vector<Combo> out;
   for (ScalarKind g : {ScalarKind::kFloat32, ScalarKind::kBFloat16, ScalarKind::kFloat16}) {
-    out.push_back({ScalarKind::kFloat32, g, MasterKind::kNone});
-    for (MasterKind m : {MasterKind::kNone, MasterKind::kFP32, MasterKind::kRemainder}) {
+    out.push_back({ScalarKind::kFloat32, g, MasterMode::kNone});
+    for (MasterMode m : {MasterMode::kNone, MasterMode::kFP32, MasterMode::kRemainder}) {
       out.push_back({ScalarKind::kBFloat16, g, m});
     }
-    for (MasterKind m : {MasterKind::kNone, MasterKind::kFP32}) out.push_back({ScalarKind::kFloat16, g, m});
+    for (MasterMode m : {MasterMode::kNone, MasterMode::kFP32}) out.push_back({ScalarKind::kFloat16, g, m});
   }
   return out;
 }
@@ -283,9 +283,9 @@ INSTANTIATE_TEST_SUITE_P(AllCombos, AdamWCpu, ::testing::ValuesIn(supported_comb
 // start from the same BF16-representable values (fresh remainder zero).
 TEST(AdamWCpuMasters, SameTrajectoryForFP32ParamFP32MasterAndRemainder) {
   const int64_t n = 4097;
-  const Combo own{ScalarKind::kFloat32, ScalarKind::kFloat32, MasterKind::kNone};
-  const Combo fp32{ScalarKind::kBFloat16, ScalarKind::kFloat32, MasterKind::kFP32};
-  const Combo remainder{ScalarKind::kBFloat16, ScalarKind::kFloat32, MasterKind::kRemainder};
+  const Combo own{ScalarKind::kFloat32, ScalarKind::kFloat32, MasterMode::kNone};
+  const Combo fp32{ScalarKind::kBFloat16, ScalarKind::kFloat32, MasterMode::kFP32};
+  const Combo remainder{ScalarKind::kBFloat16, ScalarKind::kFloat32, MasterMode::kRemainder};
   for (CpuCapability cap : available_capabilities()) {
     for (bool adam_w : {true, false}) {
       SCOPED_TRACE(std::string(capability_name(cap)) + (adam_w ? " AdamW" : " L2"));
@@ -324,10 +324,10 @@ TEST(AdamWCpuMasters, SameTrajectoryForFP32ParamFP32MasterAndRemainder) {
 TEST(AdamWCpuIsa, ExtremeInputsMatchDefault) {
   const auto caps = available_capabilities();
   if (caps.size() < 2) GTEST_SKIP() << "only DEFAULT is available";
-  const Combo combos[] = {{ScalarKind::kFloat32, ScalarKind::kFloat32, MasterKind::kNone},
-                          {ScalarKind::kBFloat16, ScalarKind::kBFloat16, MasterKind::kRemainder},
-                          {ScalarKind::kBFloat16, ScalarKind::kFloat16, MasterKind::kFP32},
-                          {ScalarKind::kFloat16, ScalarKind::kFloat16, MasterKind::kNone}};
+  const Combo combos[] = {{ScalarKind::kFloat32, ScalarKind::kFloat32, MasterMode::kNone},
+                          {ScalarKind::kBFloat16, ScalarKind::kBFloat16, MasterMode::kRemainder},
+                          {ScalarKind::kBFloat16, ScalarKind::kFloat16, MasterMode::kFP32},
+                          {ScalarKind::kFloat16, ScalarKind::kFloat16, MasterMode::kNone}};
   const float specials[] = {0.0f, -0.0f, 1e-45f, -1e-40f, 1e-30f, 3e38f, -3e38f, 65504.0f, 1e20f, INFINITY, NAN};
   for (const Combo& c : combos) {
     std::mt19937 rng(7);
@@ -363,16 +363,16 @@ TEST(AdamWCpuDispatch, DefaultIsAlwaysAvailable) {
 }
 
 TEST(AdamWCpuDispatch, UnsupportedCombinationsThrow) {
-  const Combo bad[] = {{ScalarKind::kFloat32, ScalarKind::kFloat32, MasterKind::kFP32},
-                       {ScalarKind::kFloat32, ScalarKind::kFloat32, MasterKind::kRemainder},
-                       {ScalarKind::kFloat16, ScalarKind::kFloat32, MasterKind::kRemainder}};
+  const Combo bad[] = {{ScalarKind::kFloat32, ScalarKind::kFloat32, MasterMode::kFP32},
+                       {ScalarKind::kFloat32, ScalarKind::kFloat32, MasterMode::kRemainder},
+                       {ScalarKind::kFloat16, ScalarKind::kFloat32, MasterMode::kRemainder}};
   const AdamWHyper h{0.9f, 0.999f, 1e-8f, 0.01f, true, true};
     const float lr = 1e-3f;
   for (const Combo& c : bad) {
     AdamWBatch batch;
     batch.param_kind = c.param;
     batch.grad_kind = c.grad;
-    batch.master_kind = c.master;
+    batch.master_mode = c.master;
     EXPECT_THROW(adamw_step(batch, h, lr, 1.0f, CpuCapability::kDefault), c10::Error)
         << kind_name(c.param) << " + " << master_name(c.master);
   }
