@@ -32,9 +32,9 @@ class ParamInfo:
     group: int  # index of its param group
     index: int  # position within its group
     kind: Kind
-    master: MasterMode
+    master_mode: MasterMode
     name: str  # for messages
-    writer: Optional[Any] = None  # writers.WriterEntry: stores the param from its FP32 master (master is "fp32")
+    writer: Optional[Any] = None  # writers.WriterEntry: stores the param from its FP32 master (master_mode is "fp32")
 
 
 @dataclass

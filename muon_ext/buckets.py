@@ -170,14 +170,14 @@ class StepPlanner:
         in `ranges` (a `_C.MemoryRanges`, when given) as (`tag` + their position, 0)."""
         for position, info in enumerate(infos):
             p = info.param
-            if not reading or info.master == "remainder":
+            if not reading or info.master_mode == "remainder":
                 self._check_master_mode(info)
             group = groups[info.group]
             rows, cols, view = 0, 0, ""
             if info.kind == "muon":
                 rows, cols = matrix_shape(p, group["matrix_view"], info.name)
                 view = group["matrix_view"]
-            rules = _master_rule(info, reading) if info.master != "none" and self.state_rules else ()
+            rules = _master_rule(info, reading) if info.master_mode != "none" and self.state_rules else ()
             if all_state and self.state_rules:
                 rules = _moment_rules(info.kind, group, required=False) + rules
                 if _blocked_stats(info.kind, group):
@@ -209,7 +209,7 @@ class StepPlanner:
                     continue
                 shape = matrix_shape(p, group["matrix_view"], info.name) if info.kind == "muon" else None
                 writes = info.writer is None
-                key = (info.group, p.device, p.dtype, info.master, writes, shape)
+                key = (info.group, p.device, p.dtype, info.master_mode, writes, shape)
                 buckets.setdefault(key, Bucket(info.group, info.kind, [], writes)).params.append(p)
             self._buckets = list(buckets.values())
             self._specs = [_Spec(dtype, device, *(shape or (0, 0))) for (_, device, dtype, _, _, shape) in buckets]
@@ -221,16 +221,16 @@ class StepPlanner:
         """A param cast after construction (model.bfloat16()) keeps the master
         mode of its old dtype: its updates would be lost or refused."""
         p = info.param
-        if info.writer is not None or master_mode(p, self.master_weights, self.store_param_remainders) == info.master:
+        if info.writer is not None or master_mode(p, self.master_weights, self.store_param_remainders) == info.master_mode:
             return  # a param with a writer keeps an FP32 master whatever its dtype
         now = f"{info.name} is {p.dtype} but was"
-        if info.master == "none":
+        if info.master_mode == "none":
             raise TypeError(
                 f"{now} torch.float32 when the optimizer was built, so it has no FP32 master (the param itself was "
                 f"the master) and updates below {p.dtype}'s precision would be lost. Build the optimizer after "
                 "casting the model (load this optimizer's state_dict() into the new one to keep its moments), or "
                 "cast the param back to torch.float32 (update_param(param, values) then sets exact values)")
-        if info.master == "remainder":
+        if info.master_mode == "remainder":
             raise TypeError(
                 f"{now} torch.bfloat16 when the optimizer was built: its FP32 master is that bfloat16 param plus "
                 "int16 remainders, which need a bfloat16 param. Cast the param back to torch.bfloat16 (the "
@@ -285,7 +285,7 @@ def _moment_rules(kind: str, group: dict, required: bool) -> tuple:
 
 def _master_rule(info: ParamInfo, required: bool) -> tuple:
     """The master entry of the param's mode (none: there must be no such entry)."""
-    return (("master_param", _MASTER_DTYPES[info.master], _PARAM_SHAPE, required),)
+    return (("master_param", _MASTER_DTYPES[info.master_mode], _PARAM_SHAPE, required),)
 
 
 def _step_rules(bucket: Bucket, group: dict, infos: Mapping[int, ParamInfo]) -> tuple:

@@ -205,7 +205,7 @@ def _load_entry(states: OptimizerState, info: ParamInfo, entry: Dict, group: Dic
     master = entry.get("master_param")
     if master is None and info.writer is not None:
         pass  # the param (released or quantized) holds no master to read: its master stays as it is
-    elif master is None and info.master == "fp32":
+    elif master is None and info.master_mode == "fp32":
         # No saved master: the param is the master, whether the model weights
         # are loaded before or after this call; read it at the next use.
         states.pending.mark(info, "param")

@@ -84,10 +84,10 @@ class PendingMasters:
         both load orders leave the same bits."""
         states = self._states
         p = local(info.param)  # DTensor params: each rank settles its local part
-        if info.master == "remainder":
+        if info.master_mode == "remainder":
             master, written = ops.merge_master(kept, local(states.tensors[info.param]["master_param"])), kept
         else:
-            master = local(states.tensors[info.param]["master_param"]) if info.master == "fp32" else kept
+            master = local(states.tensors[info.param]["master_param"]) if info.master_mode == "fp32" else kept
             master = master.to(p.device)  # offloaded masters are on the CPU
             written = master.to(p.dtype)
         same = _same_bits(p, written)
@@ -119,9 +119,9 @@ def load_master(states, info: ParamInfo, master: torch.Tensor) -> None:
     p = info.param
     if info.writer is not None:
         return  # the param holds no rounding of the master for model weights to overwrite
-    if info.master == "remainder":
+    if info.master_mode == "remainder":
         kept = local(p).clone()  # with the remainder, the master; model weights may overwrite the param
-    elif info.master == "fp32":
+    elif info.master_mode == "fp32":
         kept = None  # the master tensor holds it
     else:
         kept = local(master).clone()  # the param is the master: model weights overwrite it
@@ -135,7 +135,7 @@ def load_remainder(states, info: ParamInfo, remainder: torch.Tensor) -> None:
     p = info.param
     if info.writer is not None:  # the BF16 param is live (checked before loading): merge now
         states.write_master(info, ops.merge_master(p.detach(), remainder))
-    elif info.master == "remainder":
+    elif info.master_mode == "remainder":
         # The pair (param, remainder) is the master whenever it is read.
         states.tensors[p]["master_param"].copy_(remainder)
         states.pending.forget(p)

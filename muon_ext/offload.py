@@ -108,7 +108,7 @@ class _Layout:
         p = info.param
         n = p.numel()
         regions: List[Tuple[str, Tuple[int, ...]]] = []
-        if info.master == "fp32":
+        if info.master_mode == "fp32":
             regions.append(("master_param", tuple(p.shape)))
         if info.kind == "muon":
             regions.append(("momentum_buffer", tuple(p.shape)))
@@ -587,7 +587,7 @@ class StagedRunner(ResidentRunner):
         for item in items:
             for p, g in zip(item.params, item.grads):
                 pairs.append((self._host_buffer(p, "grad", g.dtype), g))
-                if self.layouts[id(p)].info.master == "none":
+                if self.layouts[id(p)].info.master_mode == "none":
                     pairs.append((self._host_buffer(p, "param", p.dtype), p.detach()))
         return self.streams.copy("d2h", pairs)
 

@@ -322,7 +322,7 @@ class MuonAdamW(torch.optim.Optimizer):
         # The param is then written from its master in its dtype's mode: check it as a step would (contiguity,
         # dtype, storage) before anything changes; its new master entry does not exist yet.
         plain = dataclasses.replace(info, writer=None,
-                                    master=master_mode(param, self.master_weights, self.store_param_remainders))
+                                    master_mode=master_mode(param, self.master_weights, self.store_param_remainders))
         self._planner.check_params([plain], self.param_groups, {param: {}}, all_state=False, reading=False)
         try:
             self._states.clear_writer(info)

@@ -114,9 +114,9 @@ class OptimizerState:
             if group["beta2"] is not None:
                 state.setdefault("second_momentum_buffer", zeros(muon_stats_shape(p, group),
                                                                  like_param=stats_follow_rows(p, group), rows_only=True))
-        if info.master == "remainder":
+        if info.master_mode == "remainder":
             state.setdefault("master_param", zeros(p.shape, torch.int16))
-        elif info.master == "fp32" and "master_param" not in state:
+        elif info.master_mode == "fp32" and "master_param" not in state:
             values = p.dequantize() if is_quantized(p) else p.detach()
             state["master_param"] = values.float().clone()
 
@@ -136,10 +136,10 @@ class OptimizerState:
             # The writer reads `master`, on the param's device: with offload="cpu"
             # the state entry is a view into a CPU slab.
             self.run_writer(info, master, None)
-        elif info.master == "remainder":
+        elif info.master_mode == "remainder":
             ops.split_master(master, local(p.data), local(self.tensors[p]["master_param"]))
         else:
-            if info.master == "fp32":
+            if info.master_mode == "fp32":
                 local(self.tensors[p]["master_param"]).copy_(master)
             local(p.data).copy_(master)  # copy_ rounds to nearest even for 16-bit params
         torch.autograd.graph.increment_version(p)
@@ -149,10 +149,10 @@ class OptimizerState:
         """A new FP32 tensor holding the param's full master."""
         self.pending.resolve()
         p = info.param
-        if info.master == "remainder":
+        if info.master_mode == "remainder":
             merged = ops.merge_master(local(p), local(self.tensors[p]["master_param"]))
             return dtensor_like(merged, p) if is_dtensor(p) else merged
-        if info.master == "fp32":
+        if info.master_mode == "fp32":
             return self.tensors[p]["master_param"].detach().clone()
         return p.detach().float().clone()
 
@@ -187,25 +187,25 @@ class OptimizerState:
 
     def set_writer(self, info: ParamInfo, entry: WriterEntry) -> None:
         """Gives the param a writer and an FP32 master tensor, converted exactly from its current master."""
-        if info.master != "fp32":  # an FP32 master tensor is kept as it is (offload: a view into its slab)
+        if info.master_mode != "fp32":  # an FP32 master tensor is kept as it is (offload: a view into its slab)
             self.tensors[info.param]["master_param"] = self.read_master(info)
-        info.master, info.writer = "fp32", entry
+        info.master_mode, info.writer = "fp32", entry
 
     def clear_writer(self, info: ParamInfo) -> None:
         """Removes the param's writer: its dtype's master mode again, the param
         written from its master. On failure the writer, mode and FP32 master are
         put back (the caller has checked the param, so none is expected)."""
         p, state = info.param, self.tensors[info.param]
-        master, before = state["master_param"], (info.master, info.writer)
-        info.master, info.writer = master_mode(p, self.master_weights, self.store_param_remainders), None
+        master, before = state["master_param"], (info.master_mode, info.writer)
+        info.master_mode, info.writer = master_mode(p, self.master_weights, self.store_param_remainders), None
         try:
-            if info.master == "remainder":
+            if info.master_mode == "remainder":
                 state["master_param"] = torch.zeros(p.shape, dtype=torch.int16, device=p.device)
-            elif info.master == "none":
+            elif info.master_mode == "none":
                 del state["master_param"]
             self.write_master(info, master)
         except BaseException:
-            info.master, info.writer = before
+            info.master_mode, info.writer = before
             state["master_param"] = master
             raise
         self.stale_writers.pop(id(p), None)

@@ -157,12 +157,12 @@ def check_registration(info: ParamInfo, writer, storage, *, staged: bool) -> boo
             check_param(info.param)
         except Exception as exc:
             raise ValueError(f"{name}: the writer does not accept this param: {exc}") from exc
-    if staged and (info.master != "fp32" or (info.kind == "adamw" and info.param.is_cuda)):
+    if staged and (info.master_mode != "fp32" or (info.kind == "adamw" and info.param.is_cuda)):
         raise ValueError(f"{name}: with offload='cpu', writers are supported for params with a separate FP32 "
                          "master, stepped on their device (Muon params, or params on the CPU)")
     released = not storage_held(info.param)
-    if released and info.master != "fp32":
-        kept = "int16 remainders complete" if info.master == "remainder" else "the param is"
+    if released and info.master_mode != "fp32":
+        kept = "int16 remainders complete" if info.master_mode == "remainder" else "the param is"
         raise ValueError(f"{name}: its storage is released, and its master ({kept} its values) cannot be read; "
                          "register the writer before releasing the storage")
     return released

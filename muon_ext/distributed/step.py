@@ -272,7 +272,7 @@ class DistributedStep:
             torch.autograd.graph.increment_version(written)
 
     def _adamw(self, group: dict, entries: List[_Entry], tensors, inv_scale, found_inf) -> None:
-        for batch in _batches(entries, lambda e: (e.param.dtype, e.info.master, e.grad.dtype)):
+        for batch in _batches(entries, lambda e: (e.param.dtype, e.info.master_mode, e.grad.dtype)):
             state = [tensors[e.info.param] for e in batch]
             beta1, beta2 = group["betas"]
             ops.adamw_step(
@@ -349,7 +349,7 @@ class DistributedStep:
             held = dim_indices(rows, 0, tuple(mesh.mesh.shape), entries[0].info.param.placements,
                                mesh.get_coordinate())
             runs = row_blocks.local_runs(blocks, held)
-        for batch in _batches(list(range(len(entries))), lambda i: (entries[i].param.dtype, entries[i].info.master)):
+        for batch in _batches(list(range(len(entries))), lambda i: (entries[i].param.dtype, entries[i].info.master_mode)):
             masters = [mat(local(tensors[entries[i].info.param]["master_param"])) for i in batch
                        if "master_param" in tensors[entries[i].info.param]]
             params, batch_updates = [mat(entries[i].param) for i in batch], [updates[i] for i in batch]
@@ -397,7 +397,7 @@ class DistributedStep:
     def _muon_fused(group: dict, entries: List[_Entry], moms, mat, tensors, inv_scale, found_inf,
                     max_workspace_bytes: int, blocks) -> None:
         for batch in _batches(list(range(len(entries))),
-                              lambda i: (entries[i].param.dtype, entries[i].info.master, entries[i].grad.dtype)):
+                              lambda i: (entries[i].param.dtype, entries[i].info.master_mode, entries[i].grad.dtype)):
             state = [tensors[entries[i].info.param] for i in batch]
             row_blocks.muon_step(
                 blocks, group, [mat(entries[i].param) for i in batch], [mat(entries[i].grad) for i in batch],

@@ -32,7 +32,7 @@ def test_group_defaults_and_extra_keys():
     assert {k: v for k, v in muon.items() if k != "params"} == {
         "kind": "muon", "lr": 1e-3, "weight_decay": 0.1, "momentum": 0.95, "nesterov": True, "beta2": 0.95,
         "ns_steps": 5, "ns_coefficients": POLAR_EXPRESS, "lr_scale": "original", "matrix_view": "error",
-        "polar_dtype": "bfloat16", "lr_mult": 2.0, "tag": marker}
+        "polar_dtype": "bfloat16", "polar_method": "standard", "lr_mult": 2.0, "tag": marker}
     assert muon["tag"] is marker
     assert {k: v for k, v in adamw.items() if k != "params"} == {
         "kind": "adamw", "lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0,

@@ -81,7 +81,7 @@ class Twin:
             assert torch.equal(mine.view(torch.int32), theirs.view(torch.int32)), f"master of param {i}"
             # Remainder mode writes BF16 params by the split rule (round half up), the reference to nearest
             # even: they may differ on ties, the masters never.
-            if self.opt._states.info(p).master != "remainder":
+            if self.opt._states.info(p).master_mode != "remainder":
                 assert torch.equal(p.detach(), r.detach()), f"param {i}"
             for key, value in self.ref.state[r].items():
                 if key == "master_param":

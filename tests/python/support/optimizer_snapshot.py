@@ -41,7 +41,7 @@ def snapshot(opt) -> dict:
             info = opt._states.infos.get(id(p))  # None: a param put into a group by hand (not the optimizer's)
             state = opt.state.get(p, {})
             writer = None if info is None or info.writer is None else id(info.writer.writer)
-            params[id(p)] = (tensor_bits(p), None if info is None else info.master, writer,
+            params[id(p)] = (tensor_bits(p), None if info is None else info.master_mode, writer,
                              tuple(sorted((k, tensor_bits(v) if isinstance(v, torch.Tensor) else repr(v))
                                           for k, v in state.items())))
     return {"groups": tuple(groups), "params": params}

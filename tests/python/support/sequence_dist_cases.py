@@ -100,7 +100,7 @@ class Twin:
                 continue
             mine = self.opt.gather_full_parameter_master(p) if pl is not None else self.opt.get_full_parameter_master(p)
             _same(mine, self.ref.get_full_parameter_master(r), f"master of param {i}")
-            if self.opt._states.info(p).master != "remainder":  # remainder mode rounds ties up (split rule)
+            if self.opt._states.info(p).master_mode != "remainder":  # remainder mode rounds ties up (split rule)
                 _same(p.full_tensor() if pl is not None else p.detach(), r.detach(), f"param {i}")
             for key in sorted(self.ref.state[r]):
                 if key == "master_param":
