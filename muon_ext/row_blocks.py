@@ -31,7 +31,7 @@ from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from . import ops
+from . import _C, ops
 
 __all__ = ["RowBlocks", "of_group", "parse", "check", "interleaved", "stats_shape", "stats_numel", "calls",
            "scaled", "muon_step", "local_runs", "orthogonalize_blocks", "block_stats", "gram_parts"]
@@ -152,7 +152,7 @@ def _parse(spec: tuple, rows: int, where: str, scales: Tuple[float, ...]) -> Row
 
 def stats_numel(blocks: RowBlocks, cols: int) -> int:
     """Entries of a param's NorMuon statistics under `blocks`: each block's own."""
-    return sum(b if b >= cols else cols for b in blocks.sizes)
+    return sum(b if _C.stats_per_row(b, cols) else cols for b in blocks.sizes)
 
 
 def stats_shape(blocks: RowBlocks, cols: int) -> Tuple[int, int]:
@@ -164,8 +164,9 @@ def block_stats(stats: torch.Tensor, blocks: RowBlocks, cols: int) -> List[torch
     """Views of each block's statistics in a param's buffer."""
     flat, out, at = stats.view(-1), [], 0
     for b in blocks.sizes:
-        n = b if b >= cols else cols
-        out.append(flat[at:at + n].view((b, 1) if b >= cols else (1, cols)))
+        per_row = _C.stats_per_row(b, cols)  # the rule of csrc/common/shapes.h
+        n = b if per_row else cols
+        out.append(flat[at:at + n].view((b, 1) if per_row else (1, cols)))
         at += n
     return out
 

@@ -28,6 +28,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from .._shapes import stats_per_row
+
 __all__ = ["polar_express_sharded", "normuon_sharded"]
 
 
@@ -73,7 +75,7 @@ def normuon_sharded(update: torch.Tensor, stats: torch.Tensor, beta2: float, gro
     rank, and kept so), or (`stats_local`, statistics following the split dim)
     this rank's entries only. Collective; returns the bytes this rank sent."""
     rows, cols = shape
-    per_row = rows >= cols
+    per_row = stats_per_row(rows, cols)
     reduced = cols if per_row else rows
     stat_dim = 0 if per_row else 1
     partial = (update.double() ** 2).sum(dim=1 - stat_dim)  # per held entry along stat_dim
