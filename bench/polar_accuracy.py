@@ -19,7 +19,7 @@ import argparse
 import json
 from pathlib import Path
 
-from muon_ext._polar_accuracy import accuracy_cases, kernel_output, relative_error
+from muon_ext.testing import accuracy_cases, kernel_output, relative_error
 
 DTYPES = ("float32", "bfloat16", "float16")
 

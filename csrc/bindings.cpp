@@ -43,7 +43,7 @@ std::vector<std::string> cpu_capabilities() {
   return out;
 }
 
-// check_bucket's `rules`: (key, dtype or None, StateShape, required) tuples.
+// check_bucket's `rules`: (key, dtype or None, StateShape or the entry's sizes (kGiven), required) tuples.
 std::vector<checks::StateRule> state_rules(const py::tuple& rules_in) {
   std::vector<checks::StateRule> rules;
   for (const py::handle item : rules_in) {
@@ -51,7 +51,12 @@ std::vector<checks::StateRule> state_rules(const py::tuple& rules_in) {
     checks::StateRule rule;
     rule.key = py::reinterpret_borrow<py::object>(t[0]);
     if (!t[1].is_none()) rule.dtype = t[1].cast<at::ScalarType>();
-    rule.shape = static_cast<checks::StateShape>(t[2].cast<int64_t>());
+    if (py::isinstance<py::tuple>(t[2])) {
+      rule.shape = checks::StateShape::kGiven;
+      rule.sizes = t[2].cast<std::vector<int64_t>>();
+    } else {
+      rule.shape = static_cast<checks::StateShape>(t[2].cast<int64_t>());
+    }
     rule.required = t[3].cast<bool>();
     rules.push_back(std::move(rule));
   }

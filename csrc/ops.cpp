@@ -13,7 +13,9 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <array>
 #include <cmath>
+#include <cstring>
 #include <optional>
 #include <string>
 #include <vector>
@@ -194,29 +196,41 @@ namespace {
 // Muon: shared checks
 // ---------------------------------------------------------------------------
 
+// The accepted strings of a named mode (schema::kModes), as an error words them: 'a', 'b' or 'c'.
+std::string mode_choices(const char* mode) {
+  for (const schema::Mode& m : schema::kModes) {
+    if (std::strcmp(m.name, mode) != 0) continue;
+    std::string out;
+    for (int i = 0; i < m.count; ++i) {
+      out += (i == 0 ? "'" : i + 1 == m.count ? " or '" : ", '") + std::string(m.values[i]) + "'";
+    }
+    return out;
+  }
+  return "";
+}
+
+// The enum value of `given` among a named mode's strings; `values` lists the
+// enum's values in the order of the mode's strings.
+template <typename Enum, size_t N>
+Enum parse_mode(const char* op, const char* mode, c10::string_view given, const std::array<Enum, N>& values) {
+  const std::string value(given);
+  const int index = schema::find_mode(mode, value.c_str());
+  TORCH_CHECK_VALUE(index >= 0 && static_cast<size_t>(index) < N, op, ": ", mode, " must be ", mode_choices(mode),
+                    ", got '", value, "'");
+  return values[index];
+}
+
 MuonLrScale parse_lr_scale(const char* op, c10::string_view mode) {
-  const std::string value(mode);
-  const int index = schema::find_mode("lr_scale", value.c_str());
-  TORCH_CHECK_VALUE(index >= 0, op, ": lr_scale must be 'original', 'match_rms_adamw' or 'none', got '", value, "'");
-  if (value == "original") return MuonLrScale::kOriginal;
-  if (value == "match_rms_adamw") return MuonLrScale::kMatchRmsAdamW;
-  return MuonLrScale::kNone;
+  return parse_mode(op, "lr_scale", mode,
+                    std::array{MuonLrScale::kOriginal, MuonLrScale::kMatchRmsAdamW, MuonLrScale::kNone});
 }
 
 PolarDtype parse_polar_dtype(const char* op, c10::string_view mode) {
-  const std::string value(mode);
-  const int index = schema::find_mode("polar_dtype", value.c_str());
-  TORCH_CHECK_VALUE(index >= 0, op, ": polar_dtype must be 'bfloat16', 'float32' or 'float16', got '", value, "'");
-  if (value == "float32") return PolarDtype::kFloat32;
-  return value == "float16" ? PolarDtype::kFloat16 : PolarDtype::kBFloat16;
+  return parse_mode(op, "polar_dtype", mode, std::array{PolarDtype::kBFloat16, PolarDtype::kFloat32, PolarDtype::kFloat16});
 }
 
 PolarMethod parse_polar_method(const char* op, c10::string_view mode) {
-  const std::string value(mode);
-  const int index = schema::find_mode("polar_method", value.c_str());
-  TORCH_CHECK_VALUE(index >= 0, op, ": polar_method must be 'standard', 'gram' or 'auto', got '", value, "'");
-  if (value == "gram") return PolarMethod::kGram;
-  return value == "auto" ? PolarMethod::kAuto : PolarMethod::kStandard;
+  return parse_mode(op, "polar_method", mode, std::array{PolarMethod::kStandard, PolarMethod::kGram, PolarMethod::kAuto});
 }
 
 // The first ns_steps (a, b, c) triples of a flat list of coefficients.

@@ -68,6 +68,8 @@ StepProblem check_state(const at::Tensor& p, Py_ssize_t i, PyObject* dict, const
       second_moment.clear();
       shapes::second_moment_shape(p.sizes().data(), p.dim(), view, rows, cols, second_moment);
       sizes = at::IntArrayRef(second_moment);
+    } else if (rule.shape == StateShape::kGiven) {
+      sizes = at::IntArrayRef(rule.sizes);
     }
     const StepProblem problem = state_problem(tensor_fault(THPVariable_Unpack(value), *rule.dtype, p.device(), sizes));
     if (problem != StepProblem::kNone) return problem;

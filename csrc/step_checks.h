@@ -51,8 +51,11 @@ enum class StepProblem : int {
   kGradStorage,
 };
 
-// How a state entry's shape follows from its param's.
-enum class StateShape : int64_t { kParam = 0, kScalar = 1, kSecondMoment = 2 };
+// How a state entry's shape follows from its param's.  kGiven: the rule
+// states it (`sizes`), e.g. the NorMuon statistics of row-blocked params, one
+// column of every block's own statistics (muon_ext/row_blocks.py), the same
+// for every param of a bucket.
+enum class StateShape : int64_t { kParam = 0, kScalar = 1, kSecondMoment = 2, kGiven = 3 };
 
 // One state entry the kernels take: its key, the dtype it must have (none:
 // the entry must be absent), its shape, and whether a missing entry is a
@@ -61,6 +64,7 @@ struct StateRule {
   py::object key;
   std::optional<at::ScalarType> dtype;
   StateShape shape = StateShape::kParam;
+  std::vector<int64_t> sizes;  // kGiven only
   bool required = true;
 };
 

@@ -18,7 +18,7 @@ from typing import Dict, Iterable, List, Mapping, NamedTuple, Optional, Tuple
 import torch
 
 from . import _C, row_blocks
-from ._shapes import matrix_shape, muon_stats_shape
+from ._shapes import matrix_shape
 from ._types import Bucket, GradAttr, ParamInfo, WorkItem, is_dtensor
 from .amp import capturing, check_step_lr
 from .schema import check_hyper
@@ -131,7 +131,7 @@ class StepPlanner:
             if not bucket.writes_params:
                 for p in bucket.params:
                     check_released(infos[id(p)], "")
-            rules = _step_rules(bucket, group, infos) if self.state_rules else ()
+            rules = _step_rules(bucket, group, infos, spec) if self.state_rules else ()
             bucket_rules.append(rules)
             result = _C.check_bucket(
                 bucket.params, grad_attr, tensors, dtype=spec.dtype, device=spec.device,
@@ -144,10 +144,7 @@ class StepPlanner:
             if result.token is not None:
                 self._tokens.append(result.token)
             blocks = row_blocks.of_group(group, spec.rows) if bucket.kind == "muon" else None
-            state = result.state
-            if blocks is not None and group["beta2"] is not None and self.state_rules:
-                state["second_momentum_buffer"] = _block_stats(bucket.params, group, infos, tensors, required=False)
-            checked.append((bucket, group, result, state, blocks))
+            checked.append((bucket, group, result, result.state, blocks))
         overlap = ranges.first_overlap()
         if overlap is not None:
             (b0, i0), (b1, i1) = overlap
@@ -179,9 +176,7 @@ class StepPlanner:
                 view = group["matrix_view"]
             rules = _master_rule(info, reading) if info.master_mode != "none" and self.state_rules else ()
             if all_state and self.state_rules:
-                rules = _moment_rules(info.kind, group, required=False) + rules
-                if _blocked_stats(info.kind, group):
-                    _block_stats([p], group, {id(p): info}, tensors, required=False)
+                rules = _moment_rules(info.kind, group, required=False, rows=rows, cols=cols) + rules
             check_released(info, "")
             result = _C.check_bucket(
                 [p], None, tensors, dtype=p.dtype, device=p.device, rules=rules, rows=rows, cols=cols,
@@ -270,16 +265,19 @@ def _check_lr_storage(index: int, lr) -> None:
             raise ValueError(f"param group {index}: lr: {problem}")
 
 
-def _moment_rules(kind: str, group: dict, required: bool) -> tuple:
-    """(key, dtype, shape, required) of the moments the kernels take (csrc/step_checks.h, StateRule)."""
+def _moment_rules(kind: str, group: dict, required: bool, rows: int = 0, cols: int = 0) -> tuple:
+    """(key, dtype, shape, required) of the moments the kernels take (csrc/step_checks.h, StateRule);
+    `rows` x `cols`: a Muon param's matrices."""
     if kind == "adamw":
         return (("exp_avg", torch.float32, _PARAM_SHAPE, required),
                 ("exp_avg_sq", torch.float32, _PARAM_SHAPE, required),
                 ("step", torch.float32, _SCALAR, required))
     rules = (("momentum_buffer", torch.float32, _PARAM_SHAPE, required),)
-    if group["beta2"] is not None and not _blocked_stats(kind, group):  # created at first use when NorMuon is
-        # switched on later; with row_blocks, each block's statistics: checked by _block_stats
-        rules += (("second_momentum_buffer", torch.float32, _SECOND_MOMENT, False),)
+    if group["beta2"] is not None:  # created at first use when NorMuon is switched on later
+        blocks = group.get("row_blocks")
+        # With row_blocks, one column of every block's own statistics (muon_ext.row_blocks): a shape given here.
+        shape = _SECOND_MOMENT if blocks is None else row_blocks.stats_shape(row_blocks.of_group(group, rows), cols)
+        rules += (("second_momentum_buffer", torch.float32, shape, False),)
     return rules
 
 
@@ -288,41 +286,9 @@ def _master_rule(info: ParamInfo, required: bool) -> tuple:
     return (("master_param", _MASTER_DTYPES[info.master_mode], _PARAM_SHAPE, required),)
 
 
-def _step_rules(bucket: Bucket, group: dict, infos: Mapping[int, ParamInfo]) -> tuple:
-    return _moment_rules(bucket.kind, group, True) + _master_rule(infos[id(bucket.params[0])], True)
-
-
-def _blocked_stats(kind: str, group: dict) -> bool:
-    return kind == "muon" and group["beta2"] is not None and group.get("row_blocks") is not None
-
-
-def _block_stats(params: List[torch.Tensor], group: dict, infos: Mapping[int, ParamInfo], tensors: Mapping,
-                 required: bool) -> Optional[List[torch.Tensor]]:
-    """The NorMuon statistics of row-blocked params (a shape _C.check_bucket does not know: one column of
-    every block's own statistics, muon_ext.row_blocks), checked as it checks state; None where one is missing."""
-    out = []
-    for p in params:
-        label = infos[id(p)].name
-        where = f"{label}: optimizer state 'second_momentum_buffer'"
-        entry = tensors.get(p)
-        t = entry.get("second_momentum_buffer") if isinstance(entry, dict) else None
-        if t is None:
-            if required:
-                raise ValueError(f"{where} is missing")
-            out = None
-            continue
-        want = tuple(muon_stats_shape(p, group))
-        if not isinstance(t, torch.Tensor) or t.layout != torch.strided:
-            raise TypeError(f"{where} must be a dense tensor, got {type(t).__name__}")
-        if t.dtype != torch.float32 or t.device != p.device or tuple(t.shape) != want or not t.is_contiguous():
-            raise ValueError(f"{where} is {t.dtype} {tuple(t.shape)} on {t.device}; with row_blocks it must be "
-                             f"torch.float32 {want} (every block's statistics), contiguous, on {p.device}")
-        problem = _C.storage_problem(t)
-        if problem:
-            raise ValueError(f"{where}: {problem}")
-        if out is not None:
-            out.append(t)
-    return out
+def _step_rules(bucket: Bucket, group: dict, infos: Mapping[int, ParamInfo], spec: "_Spec") -> tuple:
+    return (_moment_rules(bucket.kind, group, True, spec.rows, spec.cols)
+            + _master_rule(infos[id(bucket.params[0])], True))
 
 
 def _work_items(bucket: Bucket, group: dict, result, state: Dict,

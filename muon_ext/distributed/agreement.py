@@ -168,6 +168,7 @@ def agree_over_params(what: str, params, checks: Callable[[], T], groups_of: Cal
 
 # The longest text of one rank's writer failures that other ranks are told (UTF-8 bytes; cut beyond).
 _REPORT_BYTES = 4096
+_HEADER_BYTES = 16  # (rank, text length) as two int64
 _FIELD, _RECORD = "\x1f", "\x1e"
 
 
@@ -195,15 +196,18 @@ def share_failures(meshes: Sequence[Tuple[object, torch.device]], failures: Sequ
             continue
         text = _RECORD.join(f"{name}{_FIELD}{type(exc).__name__}{_FIELD}{exc}" for name, exc in failures).encode()[
             :_REPORT_BYTES]
-        row = torch.zeros(2 + _REPORT_BYTES, dtype=torch.int64)
-        row[0], row[1] = me, len(text)
-        row[2:2 + len(text)] = torch.tensor(list(text), dtype=torch.int64)
-        for other in _gather_over_mesh(mesh, row.to(device)).cpu().tolist():
-            rank, size = other[0], other[1]
+        # One byte per byte of text, after a header of (rank, length) as int64.
+        row = torch.zeros(_HEADER_BYTES + _REPORT_BYTES, dtype=torch.uint8)
+        row[:_HEADER_BYTES].view(torch.int64).copy_(torch.tensor([me, len(text)], dtype=torch.int64))
+        if text:
+            row[_HEADER_BYTES:_HEADER_BYTES + len(text)] = torch.frombuffer(bytearray(text), dtype=torch.uint8)
+        for other in _gather_over_mesh(mesh, row.to(device)).cpu():
+            rank, size = other[:_HEADER_BYTES].view(torch.int64).tolist()
             if rank == me:
                 reported[rank] = [(f"rank {rank}: {name}", exc) for name, exc in failures]
             elif size and rank not in reported:
-                records = bytes(other[2:2 + size]).decode(errors="replace").split(_RECORD)
+                records = bytes(other[_HEADER_BYTES:_HEADER_BYTES + size].tolist()).decode(errors="replace").split(
+                    _RECORD)
                 fields = [r.split(_FIELD, 2) + ["", ""] for r in records]  # a cut record may lack fields
                 reported[rank] = [(f"rank {rank}: {f[0]}", RemoteWriterFailure(f[1], f[2])) for f in fields]
     ranks = sorted(r for r, entries in reported.items() if entries)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from muon_ext import ops, reference
-from muon_ext._polar_accuracy import accuracy_cases, kernel_output, relative_error
+from muon_ext.testing import accuracy_cases, kernel_output, relative_error
 
 SHAPES = [(96, 200), (300, 200)]
 

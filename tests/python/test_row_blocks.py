@@ -182,6 +182,24 @@ def test_changed_blocks_with_normuon_statistics_are_refused_before_writing():
     assert torch.equal(p, before)
 
 
+def test_block_statistics_shared_by_two_params_are_refused_before_writing():
+    """Blocked statistics have a shape of their own (csrc/step_checks.h, StateShape::kGiven): they are checked and
+    recorded for the overlap check like every other state tensor."""
+    a, b = torch.nn.Parameter(_whole()), torch.nn.Parameter(_whole() + 1)
+    opt = MuonAdamW([dict(params=[a, b], row_blocks=SIZES, beta2=0.95, **SETTINGS)])
+    a.grad, b.grad = _grads(2)
+    opt.step()
+    opt.state[b]["second_momentum_buffer"] = opt.state[a]["second_momentum_buffer"]
+    before = [a.detach().clone(), b.detach().clone()]
+    with pytest.raises(ValueError, match="second_momentum_buffer.*shares memory with"):
+        opt.step()
+    assert torch.equal(a, before[0]) and torch.equal(b, before[1])
+    opt.state[b]["second_momentum_buffer"] = torch.zeros(3, 1)  # not every block's statistics
+    with pytest.raises(ValueError, match="second_momentum_buffer.*has shape"):
+        opt.step()
+    assert torch.equal(a, before[0]) and torch.equal(b, before[1])
+
+
 # -- DTensor params (2 gloo processes) ------------------------------------------------------------------------------
 
 def _dtensor_cases(rank, world):

@@ -1,5 +1,9 @@
-"""Polar-Express accuracy against an FP64 SVD polar factor, shared by the test
-(tests/python/test_polar_accuracy.py) and the table (bench/polar_accuracy.py)."""
+"""Helpers for testing and benchmarking muon_ext, as torch.testing is for
+torch; nothing in the optimizer imports them.
+
+Polar-Express accuracy against an FP64 SVD polar factor: the cases and the
+error measure shared by the test (tests/python/test_polar_accuracy.py) and the
+table (bench/polar_accuracy.py), so that users can check a kernel the same way."""
 
 from __future__ import annotations
 
