@@ -47,9 +47,9 @@ def init_layout(tp: int, etp: int, ep: int) -> None:
     model_parallel_cuda_manual_seed(1234)
 
 
-def moe_gpt(tp: int, etp: int, ep: int):
-    """A one-layer MoE GPTModel (local spec: SequentialMLP experts, no biases as Megatron requires at ETP > 1)
-    in BF16 under Megatron DDP (dense and expert-parallel FP32 main_grad buffers). Without sequence parallelism,
+def moe_gpt(tp: int, etp: int, ep: int, bias: bool = None):
+    """A one-layer MoE GPTModel (local spec: SequentialMLP experts; linear biases by default where Megatron
+    allows them in MoE, at expert TP 1) in BF16 under Megatron DDP (dense and expert-parallel FP32 main_grad buffers). Without sequence parallelism,
     which Megatron wants for TP x EP training and the local spec's LayerNorm refuses: nothing runs forward."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
@@ -60,7 +60,7 @@ def moe_gpt(tp: int, etp: int, ep: int):
         num_layers=1, hidden_size=16, num_attention_heads=4, use_cpu_initialization=True, params_dtype=torch.bfloat16,
         bf16=True, tensor_model_parallel_size=tp, expert_tensor_parallel_size=etp, expert_model_parallel_size=ep,
         num_moe_experts=NUM_EXPERTS, moe_ffn_hidden_size=24, ffn_hidden_size=24,
-        add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0)
+        add_bias_linear=etp == 1 if bias is None else bias, hidden_dropout=0.0, attention_dropout=0.0)
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=NUM_EXPERTS),
                      vocab_size=64, max_sequence_length=8, share_embeddings_and_output_weights=False)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False)
@@ -147,10 +147,12 @@ def experts_use_the_expert_tp_group() -> None:
     """For each layout and tp_mode, on a real MoE GPT with synthetic whole grads:
     the split Muon params are exactly the expert weights where the expert TP
     group is larger than one, and exactly the dense TP weights where the dense
-    one is, each viewed over its own group; the reported grad norm equals
-    Megatron's own (ChainedOptimizer: dense over the model-parallel group,
-    experts over the expert tensor x expert x pipeline group) and the norm of
-    the whole grads; masters after 2 clipped steps equal a plain single-process
+    one is, each viewed over its own group; the reported grad norm equals the
+    norm of the whole grads and Megatron's own (ChainedOptimizer: dense over
+    the model-parallel group, experts over the expert tensor x expert x
+    pipeline group) where megatron-core 0.16.1 counts every expert grad, and
+    with its expert TP duplicates judged by the expert TP group where it does
+    not (expert biases at dense TP 2, expert TP 1: it reports less); masters after 2 clipped steps equal a plain single-process
     MuonAdamW stepping each whole matrix (every global expert's) on the clipped
     whole grads: bit for bit in "duplicated" (and for every unsplit param in
     every mode), within DISTRIBUTED_ATOL in "distributed"; "blockwise" equals
@@ -175,12 +177,16 @@ def experts_use_the_expert_tp_group() -> None:
             for step in range(STEPS):
                 set_grads(layout, step)
                 assert not megatron_opt.prepare_grads()  # copies main_grad to its FP32 main params' grads
-                megatron_norm = megatron_opt.get_grad_norm()
+                megatron_norm, megatron_fixed = _megatron_norms(megatron_opt, layout)
                 ok, norm, _ = opt.step()
                 assert ok, where
                 hand = layout.hand_norm(f"grad{step}")
-                assert abs(norm - megatron_norm) <= 1e-6 * megatron_norm, (where, step, norm, megatron_norm)
-                assert abs(norm - hand) <= 1e-5 * hand, (where, step, norm, hand)
+                assert abs(norm - hand) <= 1e-6 * hand, (where, step, norm, hand)
+                assert abs(norm - megatron_fixed) <= 1e-6 * hand, (where, step, norm, megatron_fixed)
+                if _megatron_drops_expert_replicas(layout):
+                    assert megatron_norm < hand * (1 - 1e-4), (where, step, megatron_norm, hand)
+                else:
+                    assert abs(norm - megatron_norm) <= 1e-6 * hand, (where, step, norm, megatron_norm)
                 assert norm > 10 * CLIP_GRAD, (where, norm)
                 coeff = CLIP_GRAD / (norm + 1.0e-6)  # Megatron's clip_grad_by_total_norm_fp32
                 grads = []
@@ -192,6 +198,27 @@ def experts_use_the_expert_tp_group() -> None:
                 reference.step()
                 _compare(opt, layout, reference, reference_of, mode, f"{where} step {step}")
             parallel_state.destroy_model_parallel()
+
+
+def _megatron_norms(megatron_opt, layout: Layout):
+    """Megatron's ChainedOptimizer grad norm, as it is and with its expert optimizer's TP duplicates judged by
+    the expert TP group: megatron-core 0.16.1 gives every optimizer `pg_collection.tp` ("TODO(M4)" in
+    optimizer/__init__.py), so an expert param outside TP (an expert's linear_fc2 bias at expert TP 1) counts
+    only on dense TP rank 0, though every expert-parallel rank holds other experts'."""
+    dense, experts = megatron_opt.chained_optimizers
+    as_is = megatron_opt.get_grad_norm()
+    tp_group = experts.tp_group
+    experts.tp_group = layout.etp
+    try:
+        return as_is, megatron_opt.get_grad_norm()
+    finally:
+        experts.tp_group = tp_group
+
+
+def _megatron_drops_expert_replicas(layout: Layout) -> bool:
+    """Whether megatron-core's own norm leaves out expert grads here (see _megatron_norms)."""
+    return layout.tp.size() > 1 and any(not getattr(layout.params[n], "tensor_model_parallel", False)
+                                        for n in layout.experts)
 
 
 def _check_views(opt, layout: Layout, mode: str, where: str) -> None:
@@ -275,7 +302,7 @@ def expert_checkpoint_across_layouts(path: str) -> None:
 
     def fresh(tp, etp, ep):
         init_layout(tp, etp, ep)
-        model = moe_gpt(tp, etp, ep)
+        model = moe_gpt(tp, etp, ep, bias=False)  # the same architecture at both layouts
         layout = Layout(model)
         set_params(layout)
         return model, layout, get_megatron_muon_optimizer(config, [model])
