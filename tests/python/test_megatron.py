@@ -34,13 +34,15 @@ def test_megatron_tp1_tp2_training_norms_scheduler_fp16_and_resume(tmp_path):
 def test_megatron_expert_params_use_the_expert_tp_group(tmp_path):
     """A real MoE GPT (synthetic grads) on 4 gloo processes, at dense TP=1 / expert TP=2 / EP=2 and dense
     TP=2 / expert TP=1 / EP=2: every tp_mode against a plain MuonAdamW on the whole matrices, the grad norm
-    against Megatron's ChainedOptimizer, and a dist_checkpointing resume from the first layout to the
+    and zero count against Megatron's ChainedOptimizer, fp16 skipping a step on every rank for an inf in one
+    rank's expert grad, and a dist_checkpointing resume from the first layout to the
     second (support/megatron_expert_cases.py)."""
     from support import megatron_expert_cases as cases
     from support.dist_helpers import spawn
 
     spawn(tmp_path, 4, cases.run_all, [
         (cases.experts_use_the_expert_tp_group, ()),
+        (cases.fp16_inf_in_one_expert_skips_every_rank, ()),
         (cases.expert_checkpoint_across_layouts, (str(tmp_path / "ckpt"),)),
     ], timeout_s=600)
 

@@ -47,24 +47,25 @@ def init_layout(tp: int, etp: int, ep: int) -> None:
     model_parallel_cuda_manual_seed(1234)
 
 
-def moe_gpt(tp: int, etp: int, ep: int, bias: bool = None):
+def moe_gpt(tp: int, etp: int, ep: int, bias: bool = None, dtype=torch.bfloat16):
     """A one-layer MoE GPTModel (local spec: SequentialMLP experts; linear biases by default where Megatron
-    allows them in MoE, at expert TP 1) in BF16 under Megatron DDP (dense and expert-parallel FP32 main_grad buffers). Without sequence parallelism,
-    which Megatron wants for TP x EP training and the local spec's LayerNorm refuses: nothing runs forward."""
+    allows them in MoE, at expert TP 1) in `dtype` under Megatron DDP (dense and expert-parallel FP32 main_grad
+    buffers). Without sequence parallelism, which Megatron wants for TP x EP training and the local spec's
+    LayerNorm refuses: nothing runs forward."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer import TransformerConfig
 
     config = TransformerConfig(
-        num_layers=1, hidden_size=16, num_attention_heads=4, use_cpu_initialization=True, params_dtype=torch.bfloat16,
-        bf16=True, tensor_model_parallel_size=tp, expert_tensor_parallel_size=etp, expert_model_parallel_size=ep,
+        num_layers=1, hidden_size=16, num_attention_heads=4, use_cpu_initialization=True, params_dtype=dtype,
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, tensor_model_parallel_size=tp, expert_tensor_parallel_size=etp, expert_model_parallel_size=ep,
         num_moe_experts=NUM_EXPERTS, moe_ffn_hidden_size=24, ffn_hidden_size=24,
         add_bias_linear=etp == 1 if bias is None else bias, hidden_dropout=0.0, attention_dropout=0.0)
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(num_experts=NUM_EXPERTS),
                      vocab_size=64, max_sequence_length=8, share_embeddings_and_output_weights=False)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False)
-    return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model.to(torch.bfloat16))
+    return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model.to(dtype))
 
 
 class Layout:
@@ -79,6 +80,7 @@ class Layout:
         self.etp = parallel_state.get_expert_tensor_parallel_group()
         self.ep = parallel_state.get_expert_model_parallel_group()
         self.local_experts = NUM_EXPERTS // self.ep.size()
+        self.model = model
         self.params = dict(model.named_parameters())
         self.experts = {n for n, p in self.params.items() if getattr(p, "allreduce", True) is False}
         assert self.experts and all(".mlp.experts." in n for n in self.experts), sorted(self.experts)
@@ -106,10 +108,14 @@ class Layout:
         return tuple(shape)
 
     def whole(self, name: str, salt: str, expert: int = None) -> torch.Tensor:
-        """The whole FP32 tensor of `name` (of global expert `expert`), the same on every rank."""
+        """The whole FP32 tensor of `name` (of global expert `expert`), the same on every rank; grads ("grad*"
+        salts) have zeros where the draw exceeds 1.5 (about 7%), for the zero counts."""
         key = self.global_name(name, expert)
         g = torch.Generator().manual_seed(zlib.crc32(f"{key}:{salt}".encode()))
-        return torch.randn(self.full_shape(name), generator=g)
+        t = torch.randn(self.full_shape(name), generator=g)
+        if salt.startswith("grad"):
+            t[t > 1.5] = 0.0
+        return t
 
     def part(self, name: str, whole: torch.Tensor) -> torch.Tensor:
         """This rank's part of `whole` for the model param `name`."""
@@ -118,15 +124,18 @@ class Layout:
             return whole
         return whole.chunk(group.size(), dim=self.params[name].partition_dim)[group.rank()]
 
-    def hand_norm(self, salt: str) -> float:
-        """The L2 norm of every distinct whole grad of the model: each dense param once, every global expert."""
-        total = 0.0
+    def hand_stats(self, salt: str):
+        """(L2 norm, zero count) of every distinct whole grad of the model: each dense param once, every global
+        expert."""
+        total, zeros = 0.0, 0
         for name in self.params:
             experts = range(NUM_EXPERTS) if name in self.experts and name == self._first_local(name) else \
                 [None] if name not in self.experts else []
             for expert in experts:
-                total += self.whole(name, salt, expert).double().pow(2).sum().item()
-        return math.sqrt(total)
+                t = self.whole(name, salt, expert)
+                total += t.double().pow(2).sum().item()
+                zeros += t.numel() - int(torch.count_nonzero(t))
+        return math.sqrt(total), zeros
 
     def _first_local(self, name: str) -> str:
         return re.sub(r"local_experts\.\d+\.", "local_experts.0.", name)
@@ -152,7 +161,8 @@ def experts_use_the_expert_tp_group() -> None:
     the model-parallel group, experts over the expert tensor x expert x
     pipeline group) where megatron-core 0.16.1 counts every expert grad, and
     with its expert TP duplicates judged by the expert TP group where it does
-    not (expert biases at dense TP 2, expert TP 1: it reports less); masters after 2 clipped steps equal a plain single-process
+    not (expert biases at dense TP 2, expert TP 1: it reports less), and so
+    do the zero counts (log_num_zeros_in_grad); masters after 2 clipped steps equal a plain single-process
     MuonAdamW stepping each whole matrix (every global expert's) on the clipped
     whole grads: bit for bit in "duplicated" (and for every unsplit param in
     every mode), within DISTRIBUTED_ATOL in "distributed"; "blockwise" equals
@@ -169,7 +179,8 @@ def experts_use_the_expert_tp_group() -> None:
             model = moe_gpt(tp, etp, ep)
             layout = Layout(model)
             set_params(layout)
-            config = dict(clip_grad=CLIP_GRAD, muon_tp_mode=mode, muon_fp32_matmul_prec="highest")
+            config = dict(clip_grad=CLIP_GRAD, muon_tp_mode=mode, muon_fp32_matmul_prec="highest",
+                          log_num_zeros_in_grad=True)
             opt = get_megatron_muon_optimizer(optimizer_config(**config), [model])
             megatron_opt = get_megatron_optimizer(optimizer_config(**config), [model])
             _check_views(opt, layout, mode, where)
@@ -177,10 +188,11 @@ def experts_use_the_expert_tp_group() -> None:
             for step in range(STEPS):
                 set_grads(layout, step)
                 assert not megatron_opt.prepare_grads()  # copies main_grad to its FP32 main params' grads
-                megatron_norm, megatron_fixed = _megatron_norms(megatron_opt, layout)
-                ok, norm, _ = opt.step()
+                megatron_norm, megatron_fixed, megatron_zeros = _megatron_stats(megatron_opt, layout)
+                ok, norm, zeros = opt.step()
                 assert ok, where
-                hand = layout.hand_norm(f"grad{step}")
+                hand, hand_zeros = layout.hand_stats(f"grad{step}")
+                assert zeros == megatron_zeros == hand_zeros > 0, (where, step, zeros, megatron_zeros, hand_zeros)
                 assert abs(norm - hand) <= 1e-6 * hand, (where, step, norm, hand)
                 assert abs(norm - megatron_fixed) <= 1e-6 * hand, (where, step, norm, megatron_fixed)
                 if _megatron_drops_expert_replicas(layout):
@@ -200,9 +212,9 @@ def experts_use_the_expert_tp_group() -> None:
             parallel_state.destroy_model_parallel()
 
 
-def _megatron_norms(megatron_opt, layout: Layout):
+def _megatron_stats(megatron_opt, layout: Layout):
     """Megatron's ChainedOptimizer grad norm, as it is and with its expert optimizer's TP duplicates judged by
-    the expert TP group: megatron-core 0.16.1 gives every optimizer `pg_collection.tp` ("TODO(M4)" in
+    the expert TP group, and its zero count judged so: megatron-core 0.16.1 gives every optimizer `pg_collection.tp` ("TODO(M4)" in
     optimizer/__init__.py), so an expert param outside TP (an expert's linear_fc2 bias at expert TP 1) counts
     only on dense TP rank 0, though every expert-parallel rank holds other experts'."""
     dense, experts = megatron_opt.chained_optimizers
@@ -210,13 +222,13 @@ def _megatron_norms(megatron_opt, layout: Layout):
     tp_group = experts.tp_group
     experts.tp_group = layout.etp
     try:
-        return as_is, megatron_opt.get_grad_norm()
+        return as_is, megatron_opt.get_grad_norm(), megatron_opt.count_zeros()
     finally:
         experts.tp_group = tp_group
 
 
 def _megatron_drops_expert_replicas(layout: Layout) -> bool:
-    """Whether megatron-core's own norm leaves out expert grads here (see _megatron_norms)."""
+    """Whether megatron-core's own norm leaves out expert grads here (see _megatron_stats)."""
     return layout.tp.size() > 1 and any(not getattr(layout.params[n], "tensor_model_parallel", False)
                                         for n in layout.experts)
 
@@ -285,6 +297,38 @@ def _all_parts(t: torch.Tensor, group):
     parts = [torch.empty_like(t) for _ in range(group.size())]
     dist.all_gather(parts, t.contiguous(), group=group)
     return parts
+
+
+def fp16_inf_in_one_expert_skips_every_rank() -> None:
+    """fp16 with Megatron's dynamic loss scaler at dense TP=1 / expert TP=2 / EP=2 ("duplicated"): an inf in
+    rank 0's part of one expert matrix makes every rank skip the step (prepare_grads: the inf found over the
+    expert tensor x expert x pipeline group, as Megatron's expert optimizer does; the model-parallel group is
+    rank 0 alone), halve the scale and write nothing; the next, finite step succeeds on every rank."""
+    from muon_ext.megatron import get_megatron_muon_optimizer
+
+    tp, etp, ep = LAYOUTS[0]
+    init_layout(tp, etp, ep)
+    layout = Layout(moe_gpt(tp, etp, ep, dtype=torch.float16))
+    set_params(layout)
+    config = optimizer_config(fp16=True, bf16=False, initial_loss_scale=2.0 ** 10, hysteresis=1,
+                              muon_tp_mode="duplicated")
+    opt = get_megatron_muon_optimizer(config, [layout.model])
+    before = {n: _master(opt, p) for n, p in layout.params.items()}
+    set_grads(layout, 0)
+    if dist.get_rank() == 0:
+        layout.params[sorted(layout.experts)[0]].main_grad[0, 0] = float("inf")
+    # prepare_grads is what step() asks first (and returns (False, None, None) on): every rank must answer the
+    # same, checked before anything collective follows (ranks that disagree would leave the step's gathers
+    # unmatched: a hang until the join deadline instead of a failure).
+    skipped = [None] * dist.get_world_size()
+    dist.all_gather_object(skipped, opt.prepare_grads())
+    assert skipped == [True] * dist.get_world_size(), skipped
+    assert opt.get_loss_scale().item() == 2.0 ** 9
+    for n, p in layout.params.items():
+        assert torch.equal(_master(opt, p), before[n]), f"skipped step wrote {n}"
+    set_grads(layout, 1)
+    ok, norm, _ = opt.step()
+    assert ok and norm > 0, (ok, norm)
 
 
 def expert_checkpoint_across_layouts(path: str) -> None:
