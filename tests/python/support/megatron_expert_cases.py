@@ -27,6 +27,9 @@ CLIP_GRAD = 1.0  # well below the synthetic grads' norm (~50): every step clips
 STEPS = 2
 # (dense TP, expert TP, expert parallel) on 4 ranks: the expert TP group larger, then smaller, than the dense one.
 LAYOUTS = ((1, 2, 2), (2, 1, 2))
+# (tp_mode, beta2): each mode with plain Muon, and NorMuon (statistics of each whole matrix) where it is whole.
+MODES = (("duplicated", None), ("distributed", None), ("blockwise", None), ("duplicated", 0.95),
+         ("distributed", 0.95))
 
 
 def run_all(rank: int, world: int, cases) -> None:
@@ -162,26 +165,28 @@ def experts_use_the_expert_tp_group() -> None:
     pipeline group) where megatron-core 0.16.1 counts every expert grad, and
     with its expert TP duplicates judged by the expert TP group where it does
     not (expert biases at dense TP 2, expert TP 1: it reports less), and so
-    do the zero counts (log_num_zeros_in_grad); masters after 2 clipped steps equal a plain single-process
-    MuonAdamW stepping each whole matrix (every global expert's) on the clipped
-    whole grads: bit for bit in "duplicated" (and for every unsplit param in
-    every mode), within DISTRIBUTED_ATOL in "distributed"; "blockwise" equals
-    the plain MuonAdamW stepping each local shard alone."""
+    do the zero counts (log_num_zeros_in_grad); masters after 2 clipped
+    steps equal a plain single-process MuonAdamW stepping each whole matrix
+    (every global expert's) on the clipped whole grads: bit for bit in
+    "duplicated" (and for every unsplit param in every mode), within
+    DISTRIBUTED_ATOL in "distributed", with plain Muon and with NorMuon (each
+    whole matrix's statistics); "blockwise" equals the plain MuonAdamW
+    stepping each local shard alone."""
     from megatron.core import parallel_state
     from megatron.core.optimizer import get_megatron_optimizer
 
     from muon_ext.megatron import get_megatron_muon_optimizer
 
     for tp, etp, ep in LAYOUTS:
-        for mode in ("duplicated", "distributed", "blockwise"):
-            where = f"TP={tp} ETP={etp} EP={ep} {mode}"
+        for mode, beta2 in MODES:
+            where = f"TP={tp} ETP={etp} EP={ep} {mode}" + (" NorMuon" if beta2 else "")
             init_layout(tp, etp, ep)
             model = moe_gpt(tp, etp, ep)
             layout = Layout(model)
             set_params(layout)
             config = dict(clip_grad=CLIP_GRAD, muon_tp_mode=mode, muon_fp32_matmul_prec="highest",
                           log_num_zeros_in_grad=True)
-            opt = get_megatron_muon_optimizer(optimizer_config(**config), [model])
+            opt = get_megatron_muon_optimizer(optimizer_config(**config), [model], beta2=beta2)
             megatron_opt = get_megatron_optimizer(optimizer_config(**config), [model])
             _check_views(opt, layout, mode, where)
             reference, reference_of = _plain_reference(opt, layout, mode)
@@ -332,7 +337,7 @@ def fp16_inf_in_one_expert_skips_every_rank() -> None:
 
 
 def expert_checkpoint_across_layouts(path: str) -> None:
-    """dist_checkpointing of model + optimizer ("duplicated", NorMuon off): saved after one step at dense TP=1 /
+    """dist_checkpointing of model + optimizer ("duplicated", NorMuon: statistics of each whole matrix): saved after one step at dense TP=1 /
     expert TP=2 / EP=2, resumed at dense TP=2 / expert TP=1 / EP=2 (dense and expert matrices resharded), one
     more step: every master and param bit-equal to the run that never stopped (all at the second layout)."""
     from megatron.core import parallel_state
@@ -349,7 +354,7 @@ def expert_checkpoint_across_layouts(path: str) -> None:
         model = moe_gpt(tp, etp, ep, bias=False)  # the same architecture at both layouts
         layout = Layout(model)
         set_params(layout)
-        return model, layout, get_megatron_muon_optimizer(config, [model])
+        return model, layout, get_megatron_muon_optimizer(config, [model], beta2=0.95)
 
     def step(layout, opt, index):
         set_grads(layout, index)
