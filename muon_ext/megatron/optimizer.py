@@ -171,17 +171,22 @@ class MegatronMuonAdamW(MegatronOptimizer):
     def get_main_grads_for_grad_norm(self) -> List[torch.Tensor]:
         return self._main_grads(for_norm=True)
 
+    def _grad_stats_parts(self):
+        """Megatron's split of the grad statistics (ChainedOptimizer: a dense and an expert optimizer, each reducing
+        its own): (experts?, group): dense params over the model-parallel group, expert params over the expert
+        tensor x expert x pipeline group, whose ranks hold other experts' grads or other parts of them."""
+        parts = [(False, self.pg_collection.mp)]
+        if any(mp.expert for mp in self._params.values()):
+            parts.append((True, self.pg_collection.tp_ep_pp))
+        return parts
+
     @torch.no_grad()
     def get_grad_norm(self) -> float:
-        """Megatron's L2 norm of the main grads: dense params over the model-parallel group,
-        expert params over the expert tensor x expert x pipeline group, combined as ChainedOptimizer does."""
-        dense = get_grad_norm_fp32(self._main_grads(experts=False, for_norm=True),
-                                   grad_stats_parallel_group=self.pg_collection.mp)
-        if not any(mp.expert for mp in self._params.values()):
-            return dense
-        expert = get_grad_norm_fp32(self._main_grads(experts=True, for_norm=True),
-                                    grad_stats_parallel_group=self.pg_collection.tp_ep_pp)
-        return math.sqrt(dense ** 2 + expert ** 2)
+        """Megatron's L2 norm of the main grads: dense and expert norms over their groups, combined as
+        ChainedOptimizer does."""
+        norms = [get_grad_norm_fp32(self._main_grads(experts=experts, for_norm=True), grad_stats_parallel_group=group)
+                 for experts, group in self._grad_stats_parts()]
+        return norms[0] if len(norms) == 1 else math.sqrt(sum(norm ** 2 for norm in norms))
 
     @torch.no_grad()
     def clip_grad_norm(self, clip_grad: float) -> float:
@@ -193,28 +198,32 @@ class MegatronMuonAdamW(MegatronOptimizer):
 
     @torch.no_grad()
     def count_zeros(self) -> float:
-        zeros = torch.zeros(1, dtype=torch.float, device=self._scale_one.device)
-        for grad in self._main_grads(for_norm=True):
-            zeros += grad.numel() - torch.count_nonzero(grad)
-        torch.distributed.all_reduce(zeros, group=self.get_grad_stats_parallel_group())
-        return zeros.item()
+        total = 0.0
+        for experts, group in self._grad_stats_parts():
+            zeros = torch.zeros(1, dtype=torch.float, device=self._scale_one.device)
+            for grad in self._main_grads(experts=experts, for_norm=True):
+                zeros += grad.numel() - torch.count_nonzero(grad)
+            torch.distributed.all_reduce(zeros, group=group)
+            total += zeros.item()
+        return total
 
     def get_loss_scale(self) -> torch.Tensor:
         return self._scale_one if self.grad_scaler is None else self.grad_scaler.scale
 
     @torch.no_grad()
     def prepare_grads(self) -> bool:
-        """fp16 (a grad scaler): unscale the main grads in place, find inf/nan over the
-        grad-stats group, update the scale; returns whether the step must be skipped."""
+        """fp16 (a grad scaler): unscale the main grads in place, find inf/nan over the grad-stats groups
+        (dense and expert, as ChainedOptimizer), update the scale; returns whether the step must be skipped."""
         if self.grad_scaler is None:
             return False
-        self.found_inf.fill_(0.0)
-        grads = self._main_grads()
-        if grads:
-            torch._amp_foreach_non_finite_check_and_unscale_(grads, self.found_inf, self.grad_scaler.inv_scale)
-        torch.distributed.all_reduce(self.found_inf, op=torch.distributed.ReduceOp.MAX,
-                                     group=self.get_grad_stats_parallel_group())
-        found_inf = self.found_inf.item() > 0
+        found_inf = False
+        for experts, group in self._grad_stats_parts():
+            self.found_inf.fill_(0.0)
+            grads = self._main_grads(experts=experts)
+            if grads:
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, self.found_inf, self.grad_scaler.inv_scale)
+            torch.distributed.all_reduce(self.found_inf, op=torch.distributed.ReduceOp.MAX, group=group)
+            found_inf |= self.found_inf.item() > 0
         self.grad_scaler.update(found_inf)
         return found_inf
 

@@ -1,7 +1,8 @@
 """MuonAdamW as Megatron-Core's Muon (muon_ext.megatron), against the real
 megatron-core on the CPU: one spawned 2-process gloo job running the cases of
-megatron_cases.py (TP=1 and TP=2 in the same world), under a collective
-timeout and a join deadline."""
+megatron_cases.py (TP=1 and TP=2 in the same world), and one 4-process job
+for expert params (megatron_expert_cases.py), under a collective timeout and a
+join deadline."""
 
 import importlib.util
 
@@ -27,6 +28,22 @@ def test_megatron_tp1_tp2_training_norms_scheduler_fp16_and_resume(tmp_path):
         (cases.scheduler_drives_lr_and_decay, ()),
         (cases.fp16_skips_an_overflowing_step, ()),
         (cases.state_dict_resume_is_exact, ()),
+    ], timeout_s=600)
+
+
+def test_megatron_expert_params_use_the_expert_tp_group(tmp_path):
+    """A real MoE GPT (synthetic grads) on 4 gloo processes, at dense TP=1 / expert TP=2 / EP=2 and dense
+    TP=2 / expert TP=1 / EP=2: every tp_mode against a plain MuonAdamW on the whole matrices, the grad norm
+    and zero count against Megatron's ChainedOptimizer, fp16 skipping a step on every rank for an inf in one
+    rank's expert grad, and a dist_checkpointing resume from the first layout to the
+    second (support/megatron_expert_cases.py)."""
+    from support import megatron_expert_cases as cases
+    from support.dist_helpers import spawn
+
+    spawn(tmp_path, 4, cases.run_all, [
+        (cases.experts_use_the_expert_tp_group, ()),
+        (cases.fp16_inf_in_one_expert_skips_every_rank, ()),
+        (cases.expert_checkpoint_across_layouts, (str(tmp_path / "ckpt"),)),
     ], timeout_s=600)
 
 
