@@ -608,10 +608,11 @@ struct SmallStep {
 // One thread's buffers for a run of up to `matrices` matrices.
 struct SmallBuffers {
   SmallBuffers(int64_t matrices, int64_t n, int64_t len, int64_t polar_floats)
-      : polar(polar_floats), x(matrices * n), scales(matrices), mult(len), sums(len) {}
+      : polar(polar_floats), x(matrices * n), scales(matrices), mult(len), sums(len), smb_of(matrices) {}
   PolarSmallScratch polar;
   std::vector<float> x, scales, mult;
   std::vector<double> sums;
+  std::vector<float*> smb_of;  // each matrix's second moments, for NorMuon in the lanes
 };
 
 // The matrices [begin, end) of the bucket through the whole step. Cloned per
@@ -660,12 +661,22 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void small_step_run
   for (int64_t j = 0; j < end - begin; ++j) {
     buf.scales[j] = polar_input_scale(static_cast<float>(sum_of_squares(u + j * n, n)));
   }
+  // NorMuon in the lanes where its statistics fit the scratch, else per matrix below.
+  const bool lane_normuon = s.normuon && len <= kSmallNorMuonMaxStats;
+  SmallNorMuon normuon{buf.smb_of.data(), s.beta2};
+  if (lane_normuon) {
+    for (int64_t at = begin, p = first_param; at < end; ++p) {
+      const int64_t stop = std::min(end, s.starts[p + 1]);
+      for (int64_t j = at; j < stop; ++j) buf.smb_of[j - begin] = s.second_moments[p] + (j - s.starts[p]) * len;
+      at = stop;
+    }
+  }
   polar_express_small_matrices(u, buf.scales.data(), end - begin, s.rows, s.cols, s.abc, s.steps, s.rounding,
-                               s.gram, buf.polar.data());
+                               s.gram, lane_normuon ? &normuon : nullptr, buf.polar.data());
   for (int64_t at = begin, p = first_param; at < end; ++p) {
     const int64_t count = std::min(end, s.starts[p + 1]) - at, first = at - s.starts[p];
     float* xs = u + (at - begin) * n;
-    if (s.normuon) {
+    if (s.normuon && !lane_normuon) {
       float* smb = s.second_moments[p] + first * len;
       for (int64_t j = 0; j < count; ++j) {
         float* xm = xs + j * n;
@@ -713,7 +724,8 @@ void small_step(const MuonBucket& b, const MuonStepOptions& o, float inv_scale, 
   const int64_t run_matrices =
       std::max<int64_t>(kPolarSmallLanes, kSmallTaskElements / s.n / kPolarSmallLanes * kPolarSmallLanes);
   const int64_t total = s.starts.back(), runs = (total + run_matrices - 1) / run_matrices;
-  const int64_t polar_floats = polar_small_scratch_floats(b.rows, b.cols, s.gram);
+  const int64_t polar_floats =
+      polar_small_scratch_floats(b.rows, b.cols, s.gram, s.normuon && s.len <= kSmallNorMuonMaxStats);
   dispatch_storage(scalar_kind(b.grads[0].scalar_type()), [&](auto grad_storage) {
     dispatch_param(b.params[0].scalar_type(), b.master_mode, [&](auto param_storage, auto master_mode) {
       constexpr ScalarKind G = decltype(grad_storage)::value, P = decltype(param_storage)::value;

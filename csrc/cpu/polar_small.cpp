@@ -11,7 +11,9 @@
 #include <vector>
 
 #include "../common/bits.h"
+#include "../common/muon_math.h"
 #include "../common/polar_plan.h"
+#include "../common/shapes.h"
 
 namespace muon_ext {
 namespace cpu {
@@ -21,6 +23,7 @@ constexpr int kLanes = kPolarSmallLanes;
 typedef float Lanes __attribute__((vector_size(kLanes * sizeof(float))));
 typedef uint32_t LaneBits __attribute__((vector_size(kLanes * sizeof(uint32_t))));
 typedef int32_t LaneMask __attribute__((vector_size(kLanes * sizeof(int32_t))));
+typedef double LaneDoubles __attribute__((vector_size(kLanes * sizeof(double))));
 
 __attribute__((always_inline)) inline Lanes splat(float v) {
   Lanes out;
@@ -250,15 +253,84 @@ __attribute__((always_inline)) inline void iterate_group_gram(
   multiply_x(x, x_operand, q, rows, cols, false, 0.0f, rounding);
 }
 
+// Sum of squares of x[0], x[stride], ... (count of them) per lane, in double:
+// muon_cpu.cpp's sum_of_squares lane by lane (eight interleaved accumulators,
+// the tail into the first, combined in the same fixed order), so the same bits.
+__attribute__((always_inline)) inline LaneDoubles lane_sum_of_squares(const Lanes* x, int64_t stride,
+                                                                      int64_t count) {
+  LaneDoubles acc[8];
+  for (LaneDoubles& a : acc) a = LaneDoubles{};
+  int64_t k = 0;
+  for (; k + 8 <= count; k += 8) {
+    for (int l = 0; l < 8; ++l) {
+      const LaneDoubles v = __builtin_convertvector(x[(k + l) * stride], LaneDoubles);
+      acc[l] = acc[l] + v * v;
+    }
+  }
+  for (; k < count; ++k) {
+    const LaneDoubles v = __builtin_convertvector(x[k * stride], LaneDoubles);
+    acc[0] = acc[0] + v * v;
+  }
+  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+// NorMuon on a group in lanes, then x times each lane's multipliers:
+// muon_cpu.cpp's normuon_matrix_multipliers and fold, lane by lane, the
+// per-element rules from csrc/common/muon_math.h. Lane m's second moments are
+// at second_moments[m] (members lanes). Scratch: sums [len] doubles, vm and
+// mult [len] Lanes.
+__attribute__((always_inline)) inline void lane_normuon(Lanes* x, int64_t rows, int64_t cols, int64_t members,
+                                                        float* const* second_moments, float beta2,
+                                                        LaneDoubles* sums, Lanes* vm, Lanes* mult) {
+  const int64_t len = shapes::stat_length(rows, cols), red = shapes::reduced_length(rows, cols);
+  const bool per_row = shapes::stats_per_row(rows, cols);
+  if (per_row) {
+    for (int64_t r = 0; r < rows; ++r) sums[r] = lane_sum_of_squares(x + r * cols, 1, cols);
+  } else {
+    for (int64_t c = 0; c < cols; ++c) sums[c] = LaneDoubles{};
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < cols; ++c) {
+        const LaneDoubles v = __builtin_convertvector(x[r * cols + c], LaneDoubles);
+        sums[c] = sums[c] + v * v;
+      }
+    }
+  }
+  const Lanes reduced = splat(float(red));
+  for (int64_t i = 0; i < len; ++i) {
+    vm[i] = __builtin_convertvector(sums[i], Lanes) / reduced;  // normuon_mean_square
+    mult[i] = splat(1.0f);                                      // lanes without a matrix
+  }
+  for (int64_t m = 0; m < members; ++m) {
+    float* smb = second_moments[m];
+    for (int64_t i = 0; i < len; ++i) {
+      smb[i] = lerp(smb[i], vm[i][m], 1.0f - beta2);
+      mult[i][m] = normuon_step_size(smb[i]);
+    }
+  }
+  Lanes sum_vm = splat(0.0f), sum_scaled = splat(0.0f);
+  for (int64_t i = 0; i < len; ++i) {
+    sum_vm = sum_vm + vm[i];
+    sum_scaled = sum_scaled + ((vm[i] * reduced) * mult[i]) * mult[i];
+  }
+  Lanes ratio = splat(1.0f);
+  for (int64_t m = 0; m < members; ++m) ratio[m] = normuon_norm_ratio(sum_vm[m], sum_scaled[m], red);
+  for (int64_t i = 0; i < len; ++i) mult[i] = mult[i] * ratio;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) x[r * cols + c] = x[r * cols + c] * mult[per_row ? r : c];
+  }
+}
+
 // The groups of `count` matrices at xs: each transposed into the lanes
 // (scaled on the way in), iterated, and transposed back. One clone per
 // instruction set, with everything above inlined into it (a call between
 // clones of different ISAs would pass vectors under another ABI).
 __attribute__((target_clones("avx512f", "avx2", "default"))) void iterate_groups(
     float* xs, const float* input_scales, int64_t count, int64_t rows, int64_t cols, const float* abc,
-    int64_t steps, PolarRounding rounding, bool gram, Lanes* x) {
-  const int64_t n = rows * cols, side = std::min(rows, cols);
+    int64_t steps, PolarRounding rounding, bool gram, const SmallNorMuon* normuon, Lanes* x) {
+  const int64_t n = rows * cols, side = std::min(rows, cols), len = shapes::stat_length(rows, cols);
   Lanes* squares = x + 2 * n;
+  // NorMuon scratch after the iteration buffers: sums (2 Lanes each), vm, mult.
+  Lanes* stats = squares + (gram ? 4 : 2) * side * side;
   float* lanes = reinterpret_cast<float*>(x);  // lane m of vector e at lanes[e * kLanes + m]
   for (int64_t first = 0; first < count; first += kLanes) {
     const int64_t members = std::min<int64_t>(kLanes, count - first);
@@ -281,6 +353,10 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void iterate_groups
     } else {
       iterate_group(x, x + n, squares, squares + side * side, rows, cols, abc, steps, rounding);
     }
+    if (normuon != nullptr) {
+      lane_normuon(x, rows, cols, members, normuon->second_moments + first, normuon->beta2,
+                   reinterpret_cast<LaneDoubles*>(stats), stats + 2 * len, stats + 3 * len);
+    }
     for (int64_t m = 0; m < members; ++m) {
       for (int64_t e = 0; e < n; ++e) base[m * n + e] = lanes[e * kLanes + m];
     }
@@ -289,17 +365,19 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void iterate_groups
 
 }  // namespace
 
-int64_t polar_small_scratch_floats(int64_t rows, int64_t cols, bool gram) {
+int64_t polar_small_scratch_floats(int64_t rows, int64_t cols, bool gram, bool normuon) {
   const int64_t n = rows * cols, side = std::min(rows, cols);
-  // Rounded up to whole 64-byte lines: the AVX2 / AVX-512 clones load Lanes with aligned moves.
-  return (int64_t(sizeof(Lanes)) * (2 * n + (gram ? 4 : 2) * side * side) + 63) / 64 * 64 / int64_t(sizeof(float));
+  const int64_t stats = normuon ? 4 * shapes::stat_length(rows, cols) : 0;
+  // Whole Lanes, so 64-byte aligned: the AVX2 / AVX-512 clones load them with aligned moves.
+  return int64_t(sizeof(Lanes)) * (2 * n + (gram ? 4 : 2) * side * side + stats) / int64_t(sizeof(float));
 }
 
 void polar_express_small_matrices(float* xs, const float* input_scales, int64_t count, int64_t rows, int64_t cols,
                                   const float* abc, int64_t steps, PolarRounding rounding, bool gram,
-                                  float* scratch) {
+                                  const SmallNorMuon* normuon, float* scratch) {
   TORCH_INTERNAL_ASSERT(reinterpret_cast<uintptr_t>(scratch) % 64 == 0);
-  iterate_groups(xs, input_scales, count, rows, cols, abc, steps, rounding, gram, reinterpret_cast<Lanes*>(scratch));
+  iterate_groups(xs, input_scales, count, rows, cols, abc, steps, rounding, gram, normuon,
+                 reinterpret_cast<Lanes*>(scratch));
 }
 
 PolarSmallScratch::PolarSmallScratch(int64_t floats)
@@ -316,10 +394,10 @@ void polar_express_small(float* xs, int64_t count, int64_t rows, int64_t cols,
   // Tasks of about 32k lane-elements, at least one group each.
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(n * kLanes, 1));
   at::parallel_for(0, groups, grain, [&](int64_t first, int64_t last) {
-    PolarSmallScratch scratch(polar_small_scratch_floats(rows, cols, gram));
+    PolarSmallScratch scratch(polar_small_scratch_floats(rows, cols, gram, false));
     const int64_t begin = first * kLanes, end = std::min(count, last * kLanes);
     polar_express_small_matrices(xs + begin * n, nullptr, end - begin, rows, cols, abc.data(),
-                                 static_cast<int64_t>(coefficients.size()), rounding, gram, scratch.data());
+                                 static_cast<int64_t>(coefficients.size()), rounding, gram, nullptr, scratch.data());
   });
 }
 

@@ -40,8 +40,18 @@ inline bool polar_small_shape(int64_t rows, int64_t cols) {
 // Matrices per group: one per lane of a SIMD vector.
 constexpr int kPolarSmallLanes = 16;
 
+// NorMuon done in the lanes after the iterations (the fused step): matrix j's
+// second moments at second_moments[j], updated; x leaves times its multipliers.
+struct SmallNorMuon {
+  float* const* second_moments;
+  float beta2;
+};
+
+// NorMuon in the lanes up to this many statistics per matrix (its scratch grows with them).
+constexpr int64_t kSmallNorMuonMaxStats = 128;
+
 // Scratch floats polar_express_small_matrices needs (one group in lanes).
-int64_t polar_small_scratch_floats(int64_t rows, int64_t cols, bool gram);
+int64_t polar_small_scratch_floats(int64_t rows, int64_t cols, bool gram, bool normuon);
 
 // A 64-byte aligned scratch of `floats` floats, one per thread.
 class PolarSmallScratch {
@@ -56,10 +66,12 @@ class PolarSmallScratch {
 // The iterations on `count` contiguous FP32 [rows, cols] matrices at xs, in
 // place, on the calling thread, group by group. With input_scales, matrix j
 // enters as x * input_scales[j] (the input scaling, done in the lanes); abc
-// holds `steps` (a, b, c) triples; scratch has polar_small_scratch_floats().
+// holds `steps` (a, b, c) triples; with normuon (stat_length <=
+// kSmallNorMuonMaxStats), NorMuon follows in the lanes; scratch has
+// polar_small_scratch_floats().
 void polar_express_small_matrices(float* xs, const float* input_scales, int64_t count, int64_t rows, int64_t cols,
                                   const float* abc, int64_t steps, PolarRounding rounding, bool gram,
-                                  float* scratch);
+                                  const SmallNorMuon* normuon, float* scratch);
 
 void polar_express_small(float* xs, int64_t count, int64_t rows, int64_t cols,
                          const std::vector<std::array<float, 3>>& coefficients, PolarRounding rounding, bool gram);

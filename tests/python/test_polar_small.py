@@ -125,13 +125,17 @@ def _assert_bits(a, b, what):
 
 # Stacks spanning several runs and params (a run may cross a param boundary),
 # counts that leave partial lane groups, one matrix per param, tall / wide
-# (NorMuon per row / per column).
+# (NorMuon per row / per column; in the lanes up to 128 statistics, else per
+# matrix).
 FUSED_BUCKETS = {
     "8x8_stacks": [(150, 8, 8), (37, 8, 8), (8, 8)],
     "1x1_stack": [(5000, 1, 1), (3, 1, 1)],
     "3x7_wide": [(300, 3, 7)],
     "7x3_tall": [(2, 45, 7, 3)],
     "many_params": [(5, 9)] * 21,
+    # More NorMuon statistics per matrix than the lanes' scratch holds: per matrix.
+    "1x200_wide": [(40, 1, 200)],
+    "150x2_tall": [(30, 150, 2)],
 }
 
 
