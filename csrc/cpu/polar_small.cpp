@@ -25,11 +25,10 @@ typedef uint32_t LaneBits __attribute__((vector_size(kLanes * sizeof(uint32_t)))
 typedef int32_t LaneMask __attribute__((vector_size(kLanes * sizeof(int32_t))));
 typedef double LaneDoubles __attribute__((vector_size(kLanes * sizeof(double))));
 
-__attribute__((always_inline)) inline Lanes splat(float v) {
-  Lanes out;
-  for (int l = 0; l < kLanes; ++l) out[l] = v;
-  return out;
-}
+// v in every lane: the scalar operand of a vector operation is broadcast, and
+// v - 0 is v exactly (-0 included). (A loop over the lanes compiled to
+// masked partial broadcasts through the stack.)
+__attribute__((always_inline)) inline Lanes splat(float v) { return v - Lanes{}; }
 
 __attribute__((always_inline)) inline LaneBits to_bits(Lanes x) {
   LaneBits u;
