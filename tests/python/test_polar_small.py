@@ -1,5 +1,5 @@
 """The small-matrix Polar-Express kernel (csrc/cpu/polar_small.h): shapes with
-min(rows, cols)^2 * max(rows, cols) <= 2^20 run eight matrices per SIMD vector
+min(rows, cols)^2 * max(rows, cols) <= 2^20 run sixteen matrices per SIMD vector
 instead of BLAS calls.
 
 It must compute the reference iteration (the BF16 rounding points included), and
@@ -48,7 +48,7 @@ def test_small_kernel_follows_the_reference_iteration(shape):
 @pytest.mark.parametrize("polar_dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("shape", [(1, 1), (8, 8), (5, 9), (40, 24)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_a_matrix_gets_the_same_bits_in_any_lane_and_group(shape, polar_dtype):
-    """19 matrices fill two groups of eight and three lanes of a third: each one
+    """19 matrices fill a group of sixteen and three lanes of a second: each one
     alone (lane 0 of a group padded with zeros), and the batch reversed (every
     matrix in another lane), give the batch's bits."""
     gen = torch.Generator().manual_seed(7)
