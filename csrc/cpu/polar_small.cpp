@@ -319,6 +319,29 @@ __attribute__((always_inline)) inline void lane_normuon(Lanes* x, int64_t rows, 
   }
 }
 
+// rows[0..16) transposed in registers: after the stages with h = 8, 4, 2, 1
+// (each swapping the off-diagonal h x h blocks of every 2h x 2h block, two
+// two-source shuffles per row pair) rows[j][i] holds the old rows[i][j].
+__attribute__((always_inline)) inline void transpose_16x16(Lanes* rows) {
+  static_assert(kLanes == 16, "the shuffle masks are written for 16 lanes");
+  const LaneMask low[4] = {{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+                           {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27},
+                           {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29},
+                           {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30}};
+  const LaneMask high[4] = {{8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31},
+                            {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31},
+                            {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31},
+                            {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}};
+  for (int stage = 0, h = 8; stage < 4; ++stage, h /= 2) {
+    for (int i = 0; i < kLanes; ++i) {
+      if ((i & h) != 0) continue;
+      const Lanes a = rows[i], b = rows[i + h];
+      rows[i] = __builtin_shuffle(a, b, low[stage]);
+      rows[i + h] = __builtin_shuffle(a, b, high[stage]);
+    }
+  }
+}
+
 // The groups of `count` matrices at xs: each transposed into the lanes
 // (scaled on the way in), iterated, and transposed back. One clone per
 // instruction set, with everything above inlined into it (a call between
@@ -334,11 +357,23 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void iterate_groups
   for (int64_t first = 0; first < count; first += kLanes) {
     const int64_t members = std::min<int64_t>(kLanes, count - first);
     float* base = xs + first * n;
-    for (int64_t m = 0; m < members; ++m) {
-      for (int64_t e = 0; e < n; ++e) lanes[e * kLanes + m] = base[m * n + e];
-    }
-    for (int64_t m = members; m < kLanes; ++m) {  // missing members: zero matrices, never read back
-      for (int64_t e = 0; e < n; ++e) lanes[e * kLanes + m] = 0.0f;
+    // A full group of matrices with n a multiple of 16: 16 x 16 blocks
+    // transposed in registers; else element by element.
+    const bool blocks = members == kLanes && n % kLanes == 0;
+    Lanes block[kLanes];
+    if (blocks) {
+      for (int64_t e = 0; e < n; e += kLanes) {
+        for (int m = 0; m < kLanes; ++m) std::memcpy(&block[m], base + m * n + e, sizeof(Lanes));
+        transpose_16x16(block);
+        for (int j = 0; j < kLanes; ++j) x[e + j] = block[j];
+      }
+    } else {
+      for (int64_t m = 0; m < members; ++m) {
+        for (int64_t e = 0; e < n; ++e) lanes[e * kLanes + m] = base[m * n + e];
+      }
+      for (int64_t m = members; m < kLanes; ++m) {  // missing members: zero matrices, never read back
+        for (int64_t e = 0; e < n; ++e) lanes[e * kLanes + m] = 0.0f;
+      }
     }
     if (input_scales != nullptr) {
       // u * scale per lane, the scalar product of the unfused path.
@@ -356,8 +391,16 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void iterate_groups
       lane_normuon(x, rows, cols, members, normuon->second_moments + first, normuon->beta2,
                    reinterpret_cast<LaneDoubles*>(stats), stats + 2 * len, stats + 3 * len);
     }
-    for (int64_t m = 0; m < members; ++m) {
-      for (int64_t e = 0; e < n; ++e) base[m * n + e] = lanes[e * kLanes + m];
+    if (blocks) {
+      for (int64_t e = 0; e < n; e += kLanes) {
+        for (int j = 0; j < kLanes; ++j) block[j] = x[e + j];
+        transpose_16x16(block);
+        for (int m = 0; m < kLanes; ++m) std::memcpy(base + m * n + e, &block[m], sizeof(Lanes));
+      }
+    } else {
+      for (int64_t m = 0; m < members; ++m) {
+        for (int64_t e = 0; e < n; ++e) base[m * n + e] = lanes[e * kLanes + m];
+      }
     }
   }
 }
