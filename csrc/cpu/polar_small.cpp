@@ -361,7 +361,9 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void iterate_groups
     // transposed in registers; else element by element.
     const bool blocks = members == kLanes && n % kLanes == 0;
     Lanes block[kLanes];
-    if (blocks) {
+    if (members == kLanes && n == 1) {  // (n, 1, 1) stacks: the lanes are the matrices, in order
+      std::memcpy(x, base, sizeof(Lanes));
+    } else if (blocks) {
       for (int64_t e = 0; e < n; e += kLanes) {
         for (int m = 0; m < kLanes; ++m) std::memcpy(&block[m], base + m * n + e, sizeof(Lanes));
         transpose_16x16(block);
@@ -378,7 +380,11 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void iterate_groups
     if (input_scales != nullptr) {
       // u * scale per lane, the scalar product of the unfused path.
       Lanes scale = splat(1.0f);
-      for (int64_t m = 0; m < members; ++m) scale[m] = input_scales[first + m];
+      if (members == kLanes) {
+        std::memcpy(&scale, input_scales + first, sizeof(Lanes));
+      } else {
+        for (int64_t m = 0; m < members; ++m) scale[m] = input_scales[first + m];
+      }
       for (int64_t e = 0; e < n; ++e) x[e] = x[e] * scale;
     }
     if (gram) {
@@ -391,7 +397,9 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void iterate_groups
       lane_normuon(x, rows, cols, members, normuon->second_moments + first, normuon->beta2,
                    reinterpret_cast<LaneDoubles*>(stats), stats + 2 * len, stats + 3 * len);
     }
-    if (blocks) {
+    if (members == kLanes && n == 1) {
+      std::memcpy(base, x, sizeof(Lanes));
+    } else if (blocks) {
       for (int64_t e = 0; e < n; e += kLanes) {
         for (int j = 0; j < kLanes; ++j) block[j] = x[e + j];
         transpose_16x16(block);
