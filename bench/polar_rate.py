@@ -20,7 +20,9 @@ median (>1: Gram is faster); the figures behind polar_method="auto"'s rule.
 
 Small-matrix stacks (many tiny matrices in one batch-view param) report a full
 muon_step (BF16 params + remainders, NorMuon) in microseconds per matrix and
-against `state_copy`: one copy_ of every state tensor the step reads or writes.
+against `state_copy`: one copy_ of every state tensor the step reads or writes
+(bytes in `small_case`). Issue #24's small-matrix figures, one command:
+    python bench/polar_rate.py --stacks 8192x8x8,70000x8x8,70000x1x1 --threads 1,2
 
 Usage: python bench/polar_rate.py [--threads 1,2] [--rounds 5] [--stacks gpt,4x1024x4096,small,gram]
        [--gram-shapes 1024x4096,4096x1024,256x1024,1024x256,512x1024,128x1024,1024x1024]
@@ -144,6 +146,18 @@ def load_average() -> str:
 
 
 def small_case(shape: tuple, rounds: int, iters: int) -> dict:
+    """A full muon_step (BF16 params + int16 remainders, BF16 grads, NorMuon) on one
+    [count, rows, cols] param, against `state_copy`, interleaved in one process.
+
+    Bytes the step must move per element: grad read (2), momentum read + write
+    (4 + 4), param read + write (2 + 2), remainder read + write (2 + 2) = 18,
+    plus the NorMuon second moments (4 + 4 per row or column). `state_copy` is
+    one torch copy_ of each of those tensors into a spare of its size: it reads
+    and writes every one, the grad included (a write the step does not do), so
+    it moves 20 bytes per element plus the second moments twice.
+    `step_over_state_copy` is the ratio of median wall times;
+    `step_over_state_copy_per_byte` divides each time by its bytes first (the
+    step's bandwidth against the copy's)."""
     count, rows, cols = shape
     gen = torch.Generator().manual_seed(0)
     params = (torch.randn(shape, generator=gen) * 0.02).bfloat16()
@@ -161,11 +175,21 @@ def small_case(shape: tuple, rounds: int, iters: int) -> dict:
         for dst, src in zip(copies, state):
             dst.copy_(src)
 
+    def nbytes(t):
+        return t.numel() * t.element_size()
+
+    step_bytes = nbytes(grads) + 2 * (nbytes(moms) + nbytes(params) + nbytes(remainders) + nbytes(smbs))
+    copy_bytes = 2 * sum(nbytes(t) for t in state)
+    load_before = load_average()
     times = interleaved({"muon_step": step, "state_copy": state_copy}, rounds, iters)
-    step_t = times["muon_step"]["wall_median"]
+    step_t, copy_t = times["muon_step"]["wall_median"], times["state_copy"]["wall_median"]
     return {"shape": list(shape), "seconds": times, "us_per_matrix": step_t / count * 1e6,
-            "step_over_state_copy": step_t / times["state_copy"]["wall_median"],
-            "step_over_state_copy_cpu_time": times["muon_step"]["cpu_median"] / times["state_copy"]["cpu_median"]}
+            "step_bytes": step_bytes, "copy_bytes": copy_bytes,
+            "step_over_state_copy": step_t / copy_t,
+            "step_over_state_copy_per_byte": (step_t / step_bytes) / (copy_t / copy_bytes),
+            "copy_bytes_per_s": copy_bytes / copy_t,
+            "step_over_state_copy_cpu_time": times["muon_step"]["cpu_median"] / times["state_copy"]["cpu_median"],
+            "load_before": load_before, "load_after": load_average()}
 
 
 def save(path: str, results: dict) -> None:
@@ -211,8 +235,11 @@ def main():
             if "small" in wanted or name in wanted:
                 case = {"stack": name, "threads": threads, **small_case(shape, args.rounds, 3)}
                 results["cases"].append(case)
-                print(f"{threads} thr {name}: {case['us_per_matrix']:.2f} us/matrix, "
-                      f"{case['step_over_state_copy']:.1f}x state copy", flush=True)
+                print(f"{threads} thr {name}: {case['us_per_matrix']:.3f} us/matrix, "
+                      f"{case['step_over_state_copy']:.2f}x state copy "
+                      f"({case['step_over_state_copy_per_byte']:.2f}x per byte; copy "
+                      f"{case['copy_bytes_per_s'] / 1e9:.1f} GB/s; cpu-time {case['step_over_state_copy_cpu_time']:.2f}x) "
+                      f"load {case['load_before']} -> {case['load_after']}", flush=True)
                 save(args.out, results)
 
 
