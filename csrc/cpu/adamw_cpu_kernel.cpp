@@ -78,13 +78,18 @@ inline void adamw_contiguous(float* p, float* m, float* v, const float* g, int64
 // vector at a time, instead of staging the masters through a buffer in three
 // passes.  The scalar tail evaluates the same element math, so every element
 // gets the bits of the staged (DEFAULT) loop.
-template <ScalarKind G>
-void adamw_remainder_fused(const AdamWTensor& t, int64_t begin, int64_t end, const AdamWCoeffs<float>& c,
-                           const AdamWCoeffs<Vec>& cv) {
+//
+// The whole vectors of [begin, end); returns where the scalar tail starts.
+// Instantiated per AdamW / L2 mode so that the mode is a constant in the loop.
+template <ScalarKind G, bool kAdamWMode>
+int64_t adamw_remainder_vectors(const AdamWTensor& t, int64_t begin, int64_t end, const AdamWCoeffs<Vec>& coeffs) {
+  AdamWCoeffs<Vec> cv = coeffs;
+  cv.adam_w_mode = kAdamWMode;  // a constant in the loop: no test per vector
   uint16_t* hi = static_cast<uint16_t*>(t.param);
   int16_t* rem = static_cast<int16_t*>(t.master);
   float* m = t.exp_avg;
   float* v = t.exp_avg_sq;
+  const void* grad = t.grad;
   int64_t i = begin;
   for (; i + Vec::size() <= end; i += Vec::size()) {
     Vec p = merge_master_vec(hi + i, rem + i);
@@ -92,15 +97,27 @@ void adamw_remainder_fused(const AdamWTensor& t, int64_t begin, int64_t end, con
     Vec vv = Vec::loadu(v + i);
     Vec g;
     if constexpr (G == ScalarKind::kFloat32) {
-      g = Vec::loadu(static_cast<const float*>(t.grad) + i);
+      g = Vec::loadu(static_cast<const float*>(grad) + i);
     } else {
-      g = load_bf16_vec(static_cast<const uint16_t*>(t.grad) + i);
+      g = load_bf16_vec(static_cast<const uint16_t*>(grad) + i);
     }
     adamw_element(p, vm, vv, g, cv);
     split_master_vec(p, hi + i, rem + i);
     vm.store(m + i);
     vv.store(v + i);
   }
+  return i;
+}
+
+template <ScalarKind G>
+void adamw_remainder_fused(const AdamWTensor& t, int64_t begin, int64_t end, const AdamWCoeffs<float>& c,
+                           const AdamWCoeffs<Vec>& cv) {
+  uint16_t* hi = static_cast<uint16_t*>(t.param);
+  int16_t* rem = static_cast<int16_t*>(t.master);
+  float* m = t.exp_avg;
+  float* v = t.exp_avg_sq;
+  int64_t i = c.adam_w_mode ? adamw_remainder_vectors<G, true>(t, begin, end, cv)
+                            : adamw_remainder_vectors<G, false>(t, begin, end, cv);
   for (; i < end; ++i) {
     float p = merge_master(hi[i], rem[i]);
     adamw_element(p, m[i], v[i], load_scalar<G>(t.grad, i), c);
