@@ -14,7 +14,8 @@ Where ops.cpu_bf16_gemm() is "rounded" (no BF16 GEMM in the CPU), the
 
 `--methods` (stacks "gram"): Gram Newton-Schulz against the standard
 iteration, interleaved the same way per shape and polar_dtype
-("float32" and "bfloat16", i.e. "rounded" on a CPU without a BF16 GEMM):
+("float32", "bfloat16" and "float16"; the 16-bit ones "rounded" on a CPU
+without a BF16 / FP16 GEMM):
 median and min..max seconds of each, and `gram_speedup` = standard / gram
 median (>1: Gram is faster); the figures behind polar_method="auto"'s rule.
 
@@ -26,6 +27,7 @@ against `state_copy`: one copy_ of every state tensor the step reads or writes
 
 Usage: python bench/polar_rate.py [--threads 1,2] [--rounds 5] [--stacks gpt,4x1024x4096,small,gram]
        [--gram-shapes 1024x4096,4096x1024,256x1024,1024x256,512x1024,128x1024,1024x1024]
+       [--gram-dtypes float32,bfloat16,float16]
        [--out bench/results/polar_rate.json]
 """
 
@@ -119,7 +121,7 @@ def polar_case(shapes: List[tuple], rounds: int, iters: int) -> dict:
                                   for k, v in times.items() if k != "gemm_probe"}}
 
 
-def gram_case(shape: tuple, rounds: int, iters: int) -> dict:
+def gram_case(shape: tuple, rounds: int, iters: int, dtypes=("float32", "bfloat16", "float16")) -> dict:
     """Standard vs Gram Newton-Schulz on one matrix, per polar_dtype, interleaved."""
     rows, cols = shape
     updates = torch.randn(1, rows, cols, generator=torch.Generator().manual_seed(0))
@@ -131,13 +133,13 @@ def gram_case(shape: tuple, rounds: int, iters: int) -> dict:
             ops.muon_orthogonalize([work], beta2=None, polar_dtype=polar_dtype, polar_method=polar_method)
         return fn
 
-    contenders = {f"{m}_{d}": run(d, m) for d in ("float32", "bfloat16") for m in ("standard", "gram")}
+    contenders = {f"{m}_{d}": run(d, m) for d in dtypes for m in ("standard", "gram")}
     times = interleaved(contenders, rounds, iters)
     return {"shape": [rows, cols], "seconds": times,
             "gram_speedup": {d: times[f"standard_{d}"]["wall_median"] / times[f"gram_{d}"]["wall_median"]
-                             for d in ("float32", "bfloat16")},
+                             for d in dtypes},
             "gram_speedup_cpu_time": {d: times[f"standard_{d}"]["cpu_median"] / times[f"gram_{d}"]["cpu_median"]
-                                      for d in ("float32", "bfloat16")}}
+                                      for d in dtypes}}
 
 
 def load_average() -> str:
@@ -203,6 +205,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--stacks", default="gpt,4x1024x4096,small")
     parser.add_argument("--gram-shapes", default="1024x4096,4096x1024,256x1024,1024x256,512x1024,128x1024,1024x1024")
+    parser.add_argument("--gram-dtypes", default="float32,bfloat16,float16")
     parser.add_argument("--out", default="bench/results/polar_rate.json")
     args = parser.parse_args()
     wanted = set(args.stacks.split(","))
@@ -214,7 +217,7 @@ def main():
             for spec in args.gram_shapes.split(","):
                 shape = tuple(int(v) for v in spec.split("x"))
                 load_before = load_average()
-                case = {"stack": f"gram_{spec}", "threads": threads, **gram_case(shape, args.rounds, 1),
+                case = {"stack": f"gram_{spec}", "threads": threads, **gram_case(shape, args.rounds, 1, tuple(args.gram_dtypes.split(","))),
                         "load_before": load_before, "load_after": load_average()}
                 results["cases"].append(case)
                 spread = {k: f"{v['wall_median']:.4f} [{v['wall_min']:.4f}..{v['wall_max']:.4f}]"

@@ -273,6 +273,51 @@ PolarRounding rounding_of(PolarDtype precision) {
   return PolarRounding::kNone;
 }
 
+// A GEMM stage as the CPU runs it: its GEMMs take their beta term from
+// `addend` (at::addmm_out with self != out) where that is not out's buffer.
+struct CpuStage {
+  std::vector<PolarOp> ops;
+  PolarBuffer addend;
+};
+
+// The plan's stages with each copy into a buffer T folded into the GEMM
+// stage right after it, when that stage writes T and its outputs, with the
+// mirror after it, cover all of T: every element of T the copy wrote is then
+// read only through a GEMM's beta term, which reads the copy's source instead
+// (same values, so the same bits), and the copy is skipped. That is every
+// "Poly = c Gram Gram + b Gram" and Gram Newton-Schulz R update: a copy of a
+// [side, side] matrix less per symmetric product.
+std::vector<CpuStage> fold_copies(const std::vector<std::vector<PolarOp>>& stages, int64_t rows, int64_t cols,
+                                  const std::vector<int64_t>& bounds) {
+  const int64_t side = std::min(rows, cols);
+  int64_t mirrored = side * side;  // elements below the diagonal blocks
+  for (size_t i = 0; i + 1 < bounds.size(); ++i) mirrored -= (bounds[i + 1] - bounds[i]) * (bounds[i + 1] - bounds[i]);
+  mirrored /= 2;
+  std::vector<CpuStage> out;
+  for (size_t i = 0; i < stages.size(); ++i) {
+    const PolarOp& first = stages[i].front();
+    if (first.kind == PolarOp::Kind::kCopy && i + 1 < stages.size()) {
+      const std::vector<PolarOp>& next = stages[i + 1];
+      const PolarBuffer to = first.to;
+      if (next.front().kind == PolarOp::Kind::kGemm && next.front().out.buffer == to) {
+        int64_t covered = 0;
+        for (const PolarOp& op : next) covered += op.out.rows * op.out.cols;
+        if (i + 2 < stages.size() && stages[i + 2].front().kind == PolarOp::Kind::kMirror &&
+            stages[i + 2].front().to == to) {
+          covered += mirrored;
+        }
+        if (covered == polar_buffer_numel(to, rows, cols)) {
+          out.push_back({next, first.from});
+          ++i;
+          continue;
+        }
+      }
+    }
+    out.push_back({stages[i], first.kind == PolarOp::Kind::kGemm ? first.out.buffer : PolarBuffer::kX});
+  }
+  return out;
+}
+
 }  // namespace
 
 PolarGemm polar_bf16_gemm() {
@@ -344,8 +389,8 @@ void polar_express(at::Tensor& x, const std::vector<std::array<float, 3>>& coeff
   const std::vector<int64_t> bounds =
       polar_block_bounds(side, row_blocks > 0 ? row_blocks : polar_row_blocks_cpu(side));
   const std::vector<PolarOp> plan =
-      polar_plan(iteration, rows, cols, bounds, static_cast<int>(coefficients.size()));
-  const std::vector<std::vector<PolarOp>> stages = polar_stages(plan, kPolarPanelRowsCpu);
+      polar_plan(iteration, rows, cols, bounds, static_cast<int>(coefficients.size()), polar_gram_restart_period(precision != PolarDtype::kFloat32));
+  const std::vector<CpuStage> stages = fold_copies(polar_stages(plan, kPolarPanelRowsCpu), rows, cols, bounds);
 
   // Scratch of one matrix: its four buffers back to back, each 64-byte aligned
   // (at::empty's CPU allocations are).
@@ -376,12 +421,13 @@ void polar_express(at::Tensor& x, const std::vector<std::array<float, 3>>& coeff
       into.copy_(flat_x[first + member]);  // to BF16 (nearest even) when the scratch is BF16
       round_to(output_rounding, into.view({rows, cols}));
     });
-    auto execute = [&](int64_t member, const PolarOp& op) {
+    auto execute = [&](int64_t member, const PolarOp& op, PolarBuffer addend) {
       const std::array<float, 3>& abc = coefficients[op.step];
       switch (op.kind) {
         case PolarOp::Kind::kGemm: {
           at::Tensor out = view_of(slot(member, op.out.buffer), op.out);
-          at::addmm_out(out, out, view_of(slot(member, op.lhs.buffer), op.lhs),
+          const at::Tensor self = addend == op.out.buffer ? out : view_of(slot(member, addend), op.out);
+          at::addmm_out(out, self, view_of(slot(member, op.lhs.buffer), op.lhs),
                         view_of(slot(member, op.rhs.buffer), op.rhs), polar_scalar_value(op.beta, abc[0], abc[1], abc[2]),
                         polar_scalar_value(op.alpha, abc[0], abc[1], abc[2]));
           round_to(output_rounding, out);
@@ -404,15 +450,15 @@ void polar_express(at::Tensor& x, const std::vector<std::array<float, 3>>& coeff
       // matrix's scratch stays in its thread's cache. The same calls on the
       // same panels as below, so the same bits.
       run_tasks(members, [&](int64_t member) {
-        for (const std::vector<PolarOp>& stage : stages) {
-          for (const PolarOp& op : stage) execute(member, op);
+        for (const CpuStage& stage : stages) {
+          for (const PolarOp& op : stage.ops) execute(member, op, stage.addend);
         }
       });
     } else {
       // Fewer matrices than threads: the threads share each stage's panels.
-      for (const std::vector<PolarOp>& stage : stages) {
-        const int64_t ops = static_cast<int64_t>(stage.size());
-        run_tasks(members * ops, [&](int64_t task) { execute(task / ops, stage[task % ops]); });
+      for (const CpuStage& stage : stages) {
+        const int64_t ops = static_cast<int64_t>(stage.ops.size());
+        run_tasks(members * ops, [&](int64_t task) { execute(task / ops, stage.ops[task % ops], stage.addend); });
       }
     }
     run_tasks(members, [&](int64_t member) { flat_x[first + member].copy_(slot(member, PolarBuffer::kX)); });

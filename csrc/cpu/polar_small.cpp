@@ -227,9 +227,10 @@ __attribute__((always_inline)) inline void iterate_group_gram(
   for (int64_t e = 0; e < rows * cols; ++e) x[e] = round_output(x[e], rounding);
   if (steps <= 0) return;
   gram_of(x, r, side, length, v_row, v_col, rounding);
+  const int restart_period = polar_gram_restart_period(rounding != PolarRounding::kNone);
   bool fresh = true;
   for (int64_t k = 0; k < steps; ++k) {
-    if (polar_gram_restarts_before(static_cast<int>(k))) {
+    if (polar_gram_restarts_before(static_cast<int>(k), restart_period)) {
       multiply_x(x, x_operand, q, rows, cols, false, 0.0f, rounding);
       gram_of(x, r, side, length, v_row, v_col, rounding);
       fresh = true;
@@ -244,7 +245,7 @@ __attribute__((always_inline)) inline void iterate_group_gram(
       symmetric_product(spare, q, z, q, side, 1.0f, a, rounding);
       std::swap(q, spare);
     }
-    if (k + 1 < steps && !polar_gram_restarts_before(static_cast<int>(k + 1))) {  // R = Z (R Z + a R) + a (R Z + a R)
+    if (k + 1 < steps && !polar_gram_restarts_before(static_cast<int>(k + 1), restart_period)) {  // R = Z (R Z + a R) + a (R Z + a R)
       symmetric_product(spare, r, z, r, side, 1.0f, a, rounding);
       symmetric_product(r, z, spare, spare, side, 1.0f, a, rounding);
     }

@@ -136,8 +136,9 @@ def test_row_blocks_change_rounding_only(shape):
     automatic choice and uneven ones, lands within FP32 noise of the plain
     GEMMs (measured <= 5.3e-8 on params of ~0.1; allowed 1e-6). No weight
     decay, whose cautious mask may flip where X is within noise of 0. Whether
-    the bits differ at all is the host's: on an AVX2 EPYC the panels round
-    differently, on an AVX-512 Sapphire Rapids they give the full GEMM's bits."""
+    the bits differ at all is the host's GEMM's: on an AVX2 EPYC the panels
+    rounded differently, on an AVX-512 Sapphire Rapids (MKL) they give the
+    full GEMM's bits."""
     plain = make_muon_set([shape])
     fp32 = dict(lr=0.05, weight_decay=0.0, polar_dtype="float32")
     ops.muon_step(*plain.args(make_muon_grads([shape])), **fp32, polar_row_blocks=1)
