@@ -2,8 +2,19 @@
 
 All contenders update the same GPT-like parameter list in one process. Reports
 seconds per step, params/s, the ratio to torch's fused AdamW on FP32 params,
-and the bytes moved per second against a plain copy_ measured in the same
-interleaved rounds (CPU and GPU). Usage: python bench/adamw.py [--device cuda] [--out results.json]
+and the bytes moved per second against two plain copies measured in the same
+interleaved rounds (CPU and GPU), each moving the bytes an FP32 AdamW step
+moves on that list (28 per element: read p, g, m, v; write p, m, v):
+  * flat copy: one copy_ of that many bytes (the host's streaming rate);
+  * per-tensor copy: one torch._foreach_copy_ over as many tensors as the
+    list has, each moving what AdamW moves for its tensor (the same per-tensor
+    costs: allocations apart, a loop over tensors, short streams).
+A copy writes lines it has not read, which the CPU reads first all the same
+(write-allocate), while AdamW's writes go to lines it has just read: per
+credited byte the copy moves more, so a fraction near or above 1 is possible.
+Prints one line per case and contender (time, ratio to torch fused, fraction of
+each copy's bytes/s) and writes the JSON.
+Usage: python bench/adamw.py [--device cuda] [--out results.json]
 """
 
 from __future__ import annotations
@@ -18,6 +29,10 @@ from muon_ext import ops
 # Bytes moved per element by each contender (reads + writes).
 BYTES_FP32 = 4 * 4 + 3 * 4  # read p, g, m, v; write p, m, v
 BYTES_REMAINDER = {torch.float32: 2 + 2 + 4 + 4 + 4 + 2 + 2 + 4 + 4, torch.bfloat16: 2 + 2 + 2 + 4 + 4 + 2 + 2 + 4 + 4}
+# Ours and torch fused, and the bytes each moves per element.
+CONTENDER_BYTES = {"torch_fused": BYTES_FP32, "ours_fp32": BYTES_FP32,
+                   "ours_bf16_remainder": BYTES_REMAINDER[torch.float32],
+                   "ours_bf16_remainder_bf16_grads": BYTES_REMAINDER[torch.bfloat16]}
 
 
 def param_sets(device):
@@ -63,12 +78,17 @@ def our_step(shapes, device, mode, grad_dtype=torch.float32):
     return step
 
 
-def plain_copy(device):
-    """A copy_ of 1 GiB (GPU) or 256 MiB (CPU) and the bytes it moves (read + write)."""
-    nbytes = 2**30 if device.type == "cuda" else 2**28
-    src = torch.empty(nbytes // 4, device=device)
+def copies(shapes, device):
+    """The flat and the per-tensor copy of the bytes an FP32 AdamW step on
+    `shapes` moves (BYTES_FP32 per element, half read and half written), and
+    that byte count."""
+    per_tensor = [numel([s]) * BYTES_FP32 // 2 for s in shapes]
+    src = torch.empty(sum(per_tensor), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    return (lambda: dst.copy_(src)), 2 * nbytes
+    srcs = [torch.empty(n, dtype=torch.uint8, device=device) for n in per_tensor]
+    dsts = [torch.empty_like(t) for t in srcs]
+    return {"flat_copy": lambda: dst.copy_(src),
+            "per_tensor_copy": lambda: torch._foreach_copy_(dsts, srcs)}, 2 * sum(per_tensor)
 
 
 def main():
@@ -79,48 +99,68 @@ def main():
     device = torch.device(args.device)
 
     results = {"benchmark": "adamw", "environment": environment(device), "cases": []}
-    copy, copy_bytes = plain_copy(device)
     for name, shapes in param_sets(device).items():
         n = numel(shapes)
+        yardsticks, copy_bytes = copies(shapes, device)
         seconds = time_interleaved({
-            "plain_copy": copy,  # the bandwidth reference, in the same rounds
+            **yardsticks,  # the bandwidth references, in the same rounds
             "torch_fused": torch_step(shapes, device, fused=True),
             "torch_foreach": torch_step(shapes, device, foreach=True),
             "ours_fp32": our_step(shapes, device, "fp32"),
             "ours_bf16_remainder": our_step(shapes, device, "bf16_remainder"),
             "ours_bf16_remainder_bf16_grads": our_step(shapes, device, "bf16_remainder", torch.bfloat16),
         }, device)
-        t_fused, t_foreach, t_ours = seconds["torch_fused"], seconds["torch_foreach"], seconds["ours_fp32"]
-        t_rem, t_rem_bf16g = seconds["ours_bf16_remainder"], seconds["ours_bf16_remainder_bf16_grads"]
+        t_fused, t_foreach = seconds["torch_fused"], seconds["torch_foreach"]
+        ours = [k for k in CONTENDER_BYTES if k.startswith("ours")]
         case = {
             "params": name, "numel": n, "tensors": len(shapes),
             "seconds": seconds,
-            "params_per_s": {"torch_fused": n / t_fused, "ours_fp32": n / t_ours,
-                             "ours_bf16_remainder": n / t_rem},
-            "speedup_vs_torch_fused": {"ours_fp32": t_fused / t_ours, "ours_bf16_remainder": t_fused / t_rem},
-            "speedup_vs_torch_foreach": {"ours_fp32": t_foreach / t_ours},
+            "params_per_s": {k: n / seconds[k] for k in CONTENDER_BYTES},
+            "speedup_vs_torch_fused": {k: t_fused / seconds[k] for k in ours},
+            "speedup_vs_torch_foreach": {"ours_fp32": t_foreach / seconds["ours_fp32"]},
         }
-        copy_bw = copy_bytes / seconds["plain_copy"]
+        copy_bw = {k: copy_bytes / seconds[k] for k in yardsticks}
+        bw = {k: n * b / seconds[k] for k, b in CONTENDER_BYTES.items()}
         case["copy_bytes_per_s"] = copy_bw
-        bw = {"ours_fp32": n * BYTES_FP32 / t_ours, "torch_fused": n * BYTES_FP32 / t_fused,
-              "ours_bf16_remainder": n * BYTES_REMAINDER[torch.float32] / t_rem,
-              "ours_bf16_remainder_bf16_grads": n * BYTES_REMAINDER[torch.bfloat16] / t_rem_bf16g}
         case["bytes_per_s"] = bw
-        case["fraction_of_copy_bandwidth"] = {k: v / copy_bw for k, v in bw.items()}
+        case["fraction_of_copy_bandwidth"] = {c: {k: v / copy_bw[c] for k, v in bw.items()} for c in copy_bw}
         case["targets"] = targets(name, case, device)
         results["cases"].append(case)
     write_json(args.out, results)
+    for case in results["cases"]:  # the summary after the JSON, where a terminal shows it
+        print_case(case)
+
+
+def print_case(case):
+    """One line per contender: time, ratio to torch fused, fraction of each copy's bytes/s."""
+    seconds, fraction = case["seconds"], case["fraction_of_copy_bandwidth"]
+    print(f"{case['params']} ({case['numel']} elements, {case['tensors']} tensors): "
+          + ", ".join(f"{k} {case['copy_bytes_per_s'][k] / 1e9:.1f} GB/s ({seconds[k] * 1e3:.3f} ms)"
+                      for k in fraction))
+    for k in CONTENDER_BYTES:
+        speedup = seconds["torch_fused"] / seconds[k]
+        print(f"  {k:32s} {seconds[k] * 1e3:8.3f} ms  {speedup:5.2f}x torch fused  "
+              + "  ".join(f"{fraction[c][k]:.2f} of {c}" for c in fraction))
+    print(f"  targets: {case['targets']}")
 
 
 def targets(name, case, device):
-    """The issue's performance targets, evaluated on this run."""
-    speedup = case["speedup_vs_torch_fused"]["ours_fp32"]
-    if device.type != "cuda":
-        return {"cpu_at_least_torch_fused": speedup >= 1.0}
-    if name.startswith("many_small"):
-        return {"at_least_1.1x_torch_fused_launch_bound": speedup >= 1.1}
-    return {"at_least_torch_fused": speedup >= 1.0,
-            "at_least_85pct_copy_bandwidth": case["fraction_of_copy_bandwidth"]["ours_fp32"] >= 0.85}
+    """The issue's performance targets, evaluated on this run: >= 1.1x torch
+    fused (FP32, and BF16 + remainders) and >= 0.8 of the copy bandwidth, on
+    the CPU against both copies; on CUDA the launch-bound many-small case has
+    only the speed target."""
+    speedup = case["speedup_vs_torch_fused"]
+    fraction = case["fraction_of_copy_bandwidth"]
+    if device.type == "cuda" and name.startswith("many_small"):
+        return {"at_least_1.1x_torch_fused_launch_bound": speedup["ours_fp32"] >= 1.1}
+    if device.type == "cuda":
+        return {"at_least_torch_fused": speedup["ours_fp32"] >= 1.0,
+                "at_least_85pct_copy_bandwidth": fraction["flat_copy"]["ours_fp32"] >= 0.85}
+    out = {f"{k}_at_least_1.1x_torch_fused": speedup[k] >= 1.1 for k in ("ours_fp32", "ours_bf16_remainder")}
+    for copy in fraction:
+        out.update({f"{k}_at_least_0.8_of_{copy}": fraction[copy][k] >= 0.8
+                    for k in ("ours_fp32", "ours_bf16_remainder")})
+    return out
 
 
 if __name__ == "__main__":

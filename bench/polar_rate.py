@@ -17,16 +17,20 @@ Where ops.cpu_bf16_gemm() is "rounded" (no BF16 GEMM in the CPU), the
 
 `--methods` (stacks "gram"): Gram Newton-Schulz against the standard
 iteration, interleaved the same way per shape and polar_dtype
-("float32" and "bfloat16", i.e. "rounded" on a CPU without a BF16 GEMM):
+("float32", "bfloat16" and "float16"; the 16-bit ones "rounded" on a CPU
+without a BF16 / FP16 GEMM):
 median and min..max seconds of each, and `gram_speedup` = standard / gram
 median (>1: Gram is faster); the figures behind polar_method="auto"'s rule.
 
 Small-matrix stacks (many tiny matrices in one batch-view param) report a full
 muon_step (BF16 params + remainders, NorMuon) in microseconds per matrix and
-against `state_copy`: one copy_ of every state tensor the step reads or writes.
+against `state_copy`: one copy_ of every state tensor the step reads or writes
+(bytes in `small_case`). Issue #24's small-matrix figures, one command:
+    python bench/polar_rate.py --stacks 8192x8x8,70000x8x8,70000x1x1 --threads 1,2
 
 Usage: python bench/polar_rate.py [--threads 1,2] [--rounds 5] [--stacks gpt,4x1024x4096,small,gram]
        [--gram-shapes 1024x4096,4096x1024,256x1024,1024x256,512x1024,128x1024,1024x1024]
+       [--gram-dtypes float32,bfloat16,float16]
        [--out bench/results/polar_rate.json]
 """
 
@@ -129,7 +133,7 @@ def polar_case(shapes: List[tuple], rounds: int, iters: int) -> dict:
             "fraction_cpu_time": {k: times[p]["cpu_median"] / times[k]["cpu_median"] for k, p in yardstick.items()}}
 
 
-def gram_case(shape: tuple, rounds: int, iters: int) -> dict:
+def gram_case(shape: tuple, rounds: int, iters: int, dtypes=("float32", "bfloat16", "float16")) -> dict:
     """Standard vs Gram Newton-Schulz on one matrix, per polar_dtype, interleaved."""
     rows, cols = shape
     updates = torch.randn(1, rows, cols, generator=torch.Generator().manual_seed(0))
@@ -141,13 +145,13 @@ def gram_case(shape: tuple, rounds: int, iters: int) -> dict:
             ops.muon_orthogonalize([work], beta2=None, polar_dtype=polar_dtype, polar_method=polar_method)
         return fn
 
-    contenders = {f"{m}_{d}": run(d, m) for d in ("float32", "bfloat16") for m in ("standard", "gram")}
+    contenders = {f"{m}_{d}": run(d, m) for d in dtypes for m in ("standard", "gram")}
     times = interleaved(contenders, rounds, iters)
     return {"shape": [rows, cols], "seconds": times,
             "gram_speedup": {d: times[f"standard_{d}"]["wall_median"] / times[f"gram_{d}"]["wall_median"]
-                             for d in ("float32", "bfloat16")},
+                             for d in dtypes},
             "gram_speedup_cpu_time": {d: times[f"standard_{d}"]["cpu_median"] / times[f"gram_{d}"]["cpu_median"]
-                                      for d in ("float32", "bfloat16")}}
+                                      for d in dtypes}}
 
 
 def load_average() -> str:
@@ -156,6 +160,18 @@ def load_average() -> str:
 
 
 def small_case(shape: tuple, rounds: int, iters: int) -> dict:
+    """A full muon_step (BF16 params + int16 remainders, BF16 grads, NorMuon) on one
+    [count, rows, cols] param, against `state_copy`, interleaved in one process.
+
+    Bytes the step must move per element: grad read (2), momentum read + write
+    (4 + 4), param read + write (2 + 2), remainder read + write (2 + 2) = 18,
+    plus the NorMuon second moments (4 + 4 per row or column). `state_copy` is
+    one torch copy_ of each of those tensors into a spare of its size: it reads
+    and writes every one, the grad included (a write the step does not do), so
+    it moves 20 bytes per element plus the second moments twice.
+    `step_over_state_copy` is the ratio of median wall times;
+    `step_over_state_copy_per_byte` divides each time by its bytes first (the
+    step's bandwidth against the copy's)."""
     count, rows, cols = shape
     gen = torch.Generator().manual_seed(0)
     params = (torch.randn(shape, generator=gen) * 0.02).bfloat16()
@@ -173,11 +189,21 @@ def small_case(shape: tuple, rounds: int, iters: int) -> dict:
         for dst, src in zip(copies, state):
             dst.copy_(src)
 
+    def nbytes(t):
+        return t.numel() * t.element_size()
+
+    step_bytes = nbytes(grads) + 2 * (nbytes(moms) + nbytes(params) + nbytes(remainders) + nbytes(smbs))
+    copy_bytes = 2 * sum(nbytes(t) for t in state)
+    load_before = load_average()
     times = interleaved({"muon_step": step, "state_copy": state_copy}, rounds, iters)
-    step_t = times["muon_step"]["wall_median"]
+    step_t, copy_t = times["muon_step"]["wall_median"], times["state_copy"]["wall_median"]
     return {"shape": list(shape), "seconds": times, "us_per_matrix": step_t / count * 1e6,
-            "step_over_state_copy": step_t / times["state_copy"]["wall_median"],
-            "step_over_state_copy_cpu_time": times["muon_step"]["cpu_median"] / times["state_copy"]["cpu_median"]}
+            "step_bytes": step_bytes, "copy_bytes": copy_bytes,
+            "step_over_state_copy": step_t / copy_t,
+            "step_over_state_copy_per_byte": (step_t / step_bytes) / (copy_t / copy_bytes),
+            "copy_bytes_per_s": copy_bytes / copy_t,
+            "step_over_state_copy_cpu_time": times["muon_step"]["cpu_median"] / times["state_copy"]["cpu_median"],
+            "load_before": load_before, "load_after": load_average()}
 
 
 def save(path: str, results: dict) -> None:
@@ -191,6 +217,7 @@ def main():
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--stacks", default="gpt,4x1024x4096,small")
     parser.add_argument("--gram-shapes", default="1024x4096,4096x1024,256x1024,1024x256,512x1024,128x1024,1024x1024")
+    parser.add_argument("--gram-dtypes", default="float32,bfloat16,float16")
     parser.add_argument("--out", default="bench/results/polar_rate.json")
     args = parser.parse_args()
     wanted = set(args.stacks.split(","))
@@ -202,7 +229,7 @@ def main():
             for spec in args.gram_shapes.split(","):
                 shape = tuple(int(v) for v in spec.split("x"))
                 load_before = load_average()
-                case = {"stack": f"gram_{spec}", "threads": threads, **gram_case(shape, args.rounds, 1),
+                case = {"stack": f"gram_{spec}", "threads": threads, **gram_case(shape, args.rounds, 1, tuple(args.gram_dtypes.split(","))),
                         "load_before": load_before, "load_after": load_average()}
                 results["cases"].append(case)
                 spread = {k: f"{v['wall_median']:.4f} [{v['wall_min']:.4f}..{v['wall_max']:.4f}]"
@@ -223,8 +250,11 @@ def main():
             if "small" in wanted or name in wanted:
                 case = {"stack": name, "threads": threads, **small_case(shape, args.rounds, 3)}
                 results["cases"].append(case)
-                print(f"{threads} thr {name}: {case['us_per_matrix']:.2f} us/matrix, "
-                      f"{case['step_over_state_copy']:.1f}x state copy", flush=True)
+                print(f"{threads} thr {name}: {case['us_per_matrix']:.3f} us/matrix, "
+                      f"{case['step_over_state_copy']:.2f}x state copy "
+                      f"({case['step_over_state_copy_per_byte']:.2f}x per byte; copy "
+                      f"{case['copy_bytes_per_s'] / 1e9:.1f} GB/s; cpu-time {case['step_over_state_copy_cpu_time']:.2f}x) "
+                      f"load {case['load_before']} -> {case['load_after']}", flush=True)
                 save(args.out, results)
 
 

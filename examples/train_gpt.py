@@ -170,6 +170,7 @@ def build_optimizers(model: nn.Module, args) -> List[torch.optim.Optimizer]:
     if args.optimizer == "muon_ext":
         others["betas"] = betas
         matrices["polar_method"] = args.polar_method
+        matrices["polar_dtype"] = args.polar_dtype
         grad_attr = "main_grad" if args.main_grad else "grad"
         return [muon_ext.MuonAdamW(groups, grad_attr=grad_attr)]
     if args.optimizer == "adamw":
@@ -446,6 +447,8 @@ def parse_args(argv: Optional[Iterable[str]] = None):
     opt.add_argument("--polar-method", choices=("standard", "gram", "auto"), default="standard",
                      help="muon_ext's orthogonalization: standard or Gram Newton-Schulz iterations, or auto "
                           "(docs/polar_express.md) (default: %(default)s)")
+    opt.add_argument("--polar-dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
+                     help="muon_ext's Polar-Express GEMM precision (docs/polar_express.md) (default: %(default)s)")
     opt.add_argument("--adamw-lr", type=float, default=2e-3,
                      help="AdamW's lr: embeddings, head and norms; every param with --optimizer adamw "
                           "(default: %(default)s)")

@@ -132,7 +132,7 @@ def muon_step(
     FP16; on the CPU always FP32 GEMMs on FP16 values, outputs rounded) or
     "float32" (FP32 GEMMs; on CUDA TF32 only where torch allows it for its own
     FP32 matmuls). Small matrices (min(rows, cols)^2 * max(rows, cols) <= 2^20)
-    run on the CPU eight at a time without BLAS calls, where row blocks do not apply.
+    run on the CPU sixteen at a time without BLAS calls, where row blocks do not apply.
     `polar_method`: "standard" iterations, "gram" (Gram Newton-Schulz: iterates
     on the min(rows, cols)-square Gram matrix and multiplies the long side
     twice in all; the same polynomial in exact arithmetic) or "auto" (Gram

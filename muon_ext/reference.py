@@ -226,9 +226,17 @@ def _polar_rounding(bf16: bool, fp16: bool):
     return (lambda t: t.half().float()) if fp16 else (lambda t: t)
 
 
-# Gram Newton-Schulz restarts before every iteration that is a multiple of this
-# (csrc/common/polar_plan.h, kGramRestartPeriod).
-GRAM_RESTART_PERIOD = 2
+# Gram Newton-Schulz restarts before iteration 2 and every period-th after it:
+# period 2 with BF16 or FP16 rounding, 3 in FP32 (csrc/common/polar_plan.h,
+# polar_gram_restart_period).
+GRAM_FIRST_RESTART = 2
+GRAM_RESTART_PERIOD_HALF = 2
+GRAM_RESTART_PERIOD = 3
+
+
+def gram_restarts_before(step: int, sixteen_bit: bool) -> bool:
+    period = GRAM_RESTART_PERIOD_HALF if sixteen_bit else GRAM_RESTART_PERIOD
+    return step >= GRAM_FIRST_RESTART and (step - GRAM_FIRST_RESTART) % period == 0
 
 
 def polar_express_gram(x: torch.Tensor, coefficients, bf16: bool = False, fp16: bool = False) -> torch.Tensor:
@@ -237,8 +245,8 @@ def polar_express_gram(x: torch.Tensor, coefficients, bf16: bool = False, fp16: 
     (wide) or X^T (tall), R = V V^T, and per iteration Z = b R + c R R:
       Q = Z + a I (first since a (re)start), else Q = Q Z + a Q
       R = Z T + a T with T = R Z + a R   (the next Gram matrix, when needed)
-    and V = Q V at the end and at restarts (before iterations 2, 4, ...),
-    where R is recomputed. Every product's output is rounded (bf16 / fp16) as
+    and V = Q V at the end and at restarts (`gram_restarts_before`: before
+    iterations 2, 4, ... with bf16 or fp16, 2, 5, ... in FP32), where R is recomputed. Every product's output is rounded (bf16 / fp16) as
     in `polar_express`, so are Q = Z + a I and the final X."""
     rnd = _polar_rounding(bf16, fp16)
     x = rnd(x.float())
@@ -251,13 +259,13 @@ def polar_express_gram(x: torch.Tensor, coefficients, bf16: bool = False, fp16: 
     q = None
     for k, (a, b, c) in enumerate(coefficients):
         a, b, c = _f32(a), _f32(b), _f32(c)
-        if k > 0 and k % GRAM_RESTART_PERIOD == 0:
+        if gram_restarts_before(k, bf16 or fp16):
             v = rnd(q @ v)
             r = rnd(v @ v.mT)
             q = None
         z = rnd(c * (r @ r) + b * r)
         q = rnd(z + a * eye) if q is None else rnd(q @ z + a * q)
-        if k + 1 < len(coefficients) and (k + 1) % GRAM_RESTART_PERIOD != 0:
+        if k + 1 < len(coefficients) and not gram_restarts_before(k + 1, bf16 or fp16):
             t = rnd(r @ z + a * r)
             r = rnd(z @ t + a * t)
     v = rnd(q @ v)

@@ -122,14 +122,15 @@ inline void symmetric_product(std::vector<PolarOp>& plan, PolarBuffer out, Polar
   if (bounds.size() > 2) plan.push_back(slot_op(PolarOp::Kind::kMirror, out, out, PolarScalar::kZero, step));
 }
 
-// Gram = V V^T, V = X (wide) or X^T (tall), symmetric as above.
+// Gram = V V^T, V = x (wide) or x^T (tall) with x the [rows, cols] matrix in
+// `source` (X or XOperand), symmetric as above.
 inline void gram_of_x(std::vector<PolarOp>& plan, int64_t rows, int64_t cols, const std::vector<int64_t>& bounds,
-                      int step) {
+                      int step, PolarBuffer source = PolarBuffer::kX) {
   const int64_t side = std::min(rows, cols);
   const bool wide = rows <= cols;
   auto v_rows = [&](int64_t r0, int64_t h) -> PolarView {
-    return wide ? PolarView{PolarBuffer::kX, r0 * cols, h, cols, cols, false}
-                : PolarView{PolarBuffer::kX, r0, rows, h, cols, false}.t();
+    return wide ? PolarView{source, r0 * cols, h, cols, cols, false}
+                : PolarView{source, r0, rows, h, cols, false}.t();
   };
   for (size_t i = 0; i + 1 < bounds.size(); ++i) {
     const int64_t r0 = bounds[i], h = bounds[i + 1] - r0;
@@ -141,15 +142,21 @@ inline void gram_of_x(std::vector<PolarOp>& plan, int64_t rows, int64_t cols, co
   }
 }
 
-// X = Q X (wide) or X Q (tall), through a copy of X.
-inline void apply_q(std::vector<PolarOp>& plan, int64_t rows, int64_t cols, int step) {
+// to = Q from (wide) or from Q (tall) for the [rows, cols] matrices in
+// buffers `from` and `to` (X and XOperand, either way round; the same one:
+// through a copy into XOperand).
+inline void apply_q(std::vector<PolarOp>& plan, int64_t rows, int64_t cols, int step, PolarBuffer from,
+                    PolarBuffer to) {
   const int64_t side = std::min(rows, cols);
-  plan.push_back(slot_op(PolarOp::Kind::kCopy, PolarBuffer::kX, PolarBuffer::kXOperand, PolarScalar::kZero, step));
-  const PolarView x{PolarBuffer::kX, 0, rows, cols, cols, false};
-  const PolarView x_operand{PolarBuffer::kXOperand, 0, rows, cols, cols, false};
+  if (from == to) {
+    plan.push_back(slot_op(PolarOp::Kind::kCopy, from, PolarBuffer::kXOperand, PolarScalar::kZero, step));
+    from = PolarBuffer::kXOperand;
+  }
+  const PolarView out{to, 0, rows, cols, cols, false};
+  const PolarView operand{from, 0, rows, cols, cols, false};
   const PolarView q = square(PolarBuffer::kQ, side, 0, side, 0, side);
-  plan.push_back(rows <= cols ? gemm(x, q, x_operand, PolarScalar::kOne, PolarScalar::kZero, step)
-                              : gemm(x, x_operand, q, PolarScalar::kOne, PolarScalar::kZero, step));
+  plan.push_back(rows <= cols ? gemm(out, q, operand, PolarScalar::kOne, PolarScalar::kZero, step)
+                              : gemm(out, operand, q, PolarScalar::kOne, PolarScalar::kZero, step));
 }
 
 }  // namespace polar_plan_detail
@@ -198,38 +205,60 @@ inline PolarMethod polar_method_for(PolarMethod method, int64_t rows, int64_t co
 }
 
 // Gram Newton-Schulz restarts (recomputes X from the accumulated polynomial
-// and its Gram matrix afresh) before every iteration that is a multiple of
-// this: rounding noise in R sits at eps * |R|, i.e. at singular values near
-// sqrt(eps) of X, which the iteration grows toward 1 in directions where X
-// has nothing; a restart discards it. Every 2 (before iterations 2 and 4):
-// with every 3, BF16 Gram blew up on a rank-2 128x128 matrix (largest output
-// singular value 14.8, and a NaN in examples/train_gpt.py, seed 1); every 2
-// kept the largest at 1.16 on rank 1-8 matrices of 128x128 .. 512x2048.
-constexpr int kGramRestartPeriod = 2;
+// and its Gram matrix afresh) before iteration 2 and then before every
+// `period`-th after it. Rounding noise in R sits at eps * |R|, i.e. at
+// singular values near sqrt(eps) of X; a negative noise eigenvalue -d of R
+// grows like d * a^2 per iteration (a ~ 8 at first), and once near -1 the
+// polynomial blows up; a restart discards it. The period is per precision
+// (docs/design.md "Gram Newton-Schulz"):
+// * BF16 and FP16 (eps 2^-8, 2^-11), every 2 (before 2 and 4 of five): BF16
+//   with a restart before 3 only gave a rank-2 128x128 matrix largest
+//   singular value 14.8 and examples/train_gpt.py (seed 1) a NaN at step 19;
+//   before 2 only, errors up to 1.14x the standard path's (40x160, tiny
+//   norm) and singular values up to 1.95 (condition 1e6). FP16 before 2 only:
+//   1.105x on a rank-8 160x40 matrix (the SIMD kernel), above the 1.1x bound.
+// * FP32 (eps 2^-24), every 3 (once, before 2 of five, as published ports):
+//   within 1.001x of the standard path's error on every accuracy case and
+//   rank 1-16 matrices, largest singular value 1.14.
+constexpr int kGramRestartPeriodHalf = 2;
+constexpr int kGramRestartPeriod = 3;
+constexpr int kGramFirstRestart = 2;
 
-inline bool polar_gram_restarts_before(int step) { return step > 0 && step % kGramRestartPeriod == 0; }
+// The period for a precision: 16-bit operands, BF16 or FP16 (true), or FP32 (false).
+inline int polar_gram_restart_period(bool sixteen_bit) {
+  return sixteen_bit ? kGramRestartPeriodHalf : kGramRestartPeriod;
+}
 
+inline bool polar_gram_restarts_before(int step, int period) {
+  return step >= kGramFirstRestart && (step - kGramFirstRestart) % period == 0;
+}
 
 // Gram Newton-Schulz over `steps` iterations, in exact arithmetic the same
 // polynomial as `steps` standard iterations. With R = V V^T and the iteration's
 // P = a I + Z, Z = b R + c R R (so that the standard step is V <- P V):
 //   Q = P_0,  then Q <- Q P_k = Q Z + a Q        (the polynomial so far)
 //   R <- P R P = Z (R Z + a R) + a (R Z + a R)   (the Gram matrix of P V)
-// and V <- Q V once at the end, or at a restart (polar_gram_restarts_before),
-// after which R = V V^T afresh. All square products are polynomials in one
-// symmetric matrix, so symmetric: row blocks apply to each.
-inline std::vector<PolarOp> polar_gram_plan(int64_t rows, int64_t cols, const std::vector<int64_t>& bounds, int steps) {
+// and V <- Q V once at the end, or at a restart (polar_gram_restarts_before
+// with `restart_period`), after which R = V V^T afresh. All square products
+// are polynomials in one symmetric matrix, so symmetric: row blocks apply to each.
+// A restart writes the new V into the other of X and XOperand (no copy of
+// the long matrix); the end writes X, through a copy only when V is in X.
+inline std::vector<PolarOp> polar_gram_plan(int64_t rows, int64_t cols, const std::vector<int64_t>& bounds, int steps,
+                                            int restart_period) {
   using namespace polar_plan_detail;
   const int64_t side = std::min(rows, cols);
   const PolarScalar one = PolarScalar::kOne, a = PolarScalar::kA, none = PolarScalar::kZero;
   std::vector<PolarOp> plan;
   if (steps <= 0) return plan;
   gram_of_x(plan, rows, cols, bounds, 0);
+  PolarBuffer v = PolarBuffer::kX;  // where the long matrix is
   bool fresh = true;  // no polynomial accumulated since the start or restart
   for (int k = 0; k < steps; ++k) {
-    if (polar_gram_restarts_before(k)) {
-      apply_q(plan, rows, cols, k);
-      gram_of_x(plan, rows, cols, bounds, k);
+    if (polar_gram_restarts_before(k, restart_period)) {
+      const PolarBuffer other = v == PolarBuffer::kX ? PolarBuffer::kXOperand : PolarBuffer::kX;
+      apply_q(plan, rows, cols, k, v, other);
+      v = other;
+      gram_of_x(plan, rows, cols, bounds, k, v);
       fresh = true;
     }
     // Z = c R R + b R
@@ -244,22 +273,23 @@ inline std::vector<PolarOp> polar_gram_plan(int64_t rows, int64_t cols, const st
       plan.push_back(slot_op(PolarOp::Kind::kCopy, PolarBuffer::kQ, PolarBuffer::kScratch, none, k));
       symmetric_product(plan, PolarBuffer::kQ, PolarBuffer::kScratch, PolarBuffer::kPoly, one, a, side, bounds, k);
     }
-    if (k + 1 < steps && !polar_gram_restarts_before(k + 1)) {  // R = P R P, wanted by the next iteration
+    if (k + 1 < steps && !polar_gram_restarts_before(k + 1, restart_period)) {  // R = P R P, wanted by the next iteration
       plan.push_back(slot_op(PolarOp::Kind::kCopy, PolarBuffer::kGram, PolarBuffer::kScratch, none, k));
       symmetric_product(plan, PolarBuffer::kScratch, PolarBuffer::kGram, PolarBuffer::kPoly, one, a, side, bounds, k);
       plan.push_back(slot_op(PolarOp::Kind::kCopy, PolarBuffer::kScratch, PolarBuffer::kGram, none, k));
       symmetric_product(plan, PolarBuffer::kGram, PolarBuffer::kPoly, PolarBuffer::kScratch, one, a, side, bounds, k);
     }
   }
-  apply_q(plan, rows, cols, steps - 1);
+  apply_q(plan, rows, cols, steps - 1, v, PolarBuffer::kX);
   return plan;
 }
 
 // Every iteration of `method` (kStandard or kGram, as polar_method_for gives)
-// as one plan; each op's `step` says whose (a, b, c) it takes.
+// as one plan; each op's `step` says whose (a, b, c) it takes. Gram's restarts
+// follow `gram_restart_period` (polar_gram_restart_period of the precision).
 inline std::vector<PolarOp> polar_plan(PolarMethod method, int64_t rows, int64_t cols,
-                                       const std::vector<int64_t>& bounds, int steps) {
-  if (method == PolarMethod::kGram) return polar_gram_plan(rows, cols, bounds, steps);
+                                       const std::vector<int64_t>& bounds, int steps, int gram_restart_period) {
+  if (method == PolarMethod::kGram) return polar_gram_plan(rows, cols, bounds, steps, gram_restart_period);
   std::vector<PolarOp> plan;
   const std::vector<PolarOp> iteration = polar_iteration_plan(rows, cols, bounds);
   for (int k = 0; k < steps; ++k) {

@@ -97,7 +97,13 @@ void adamw_step(const AdamWBatch& batch, const AdamWHyper& hyper, float lr, floa
   coeffs.reserve(batch.tensors.size());
   for (const AdamWTensor& t : batch.tensors) {
     *t.step += 1.0f;
-    coeffs.push_back(make_adamw_coeffs(hyper, lr, *t.step, inv_scale));
+    // The tensors of a group usually share their step count: the powers are
+    // computed once per run of equal counts (the same inputs, the same bits).
+    if (!coeffs.empty() && *t.step == *(&t - 1)->step) {
+      coeffs.push_back(coeffs.back());
+    } else {
+      coeffs.push_back(make_adamw_coeffs(hyper, lr, *t.step, inv_scale));
+    }
   }
   kernels.apply(batch, coeffs);
 }

@@ -30,8 +30,11 @@ namespace {
 
 using Vec = at::vec::Vectorized<float>;
 
-// Elements handled per parallel work item, and per staging buffer.
-constexpr int64_t kWorkItem = 16384;
+// Scheduling unit (elements; 64 FP32 = 4 cache lines, 64 BF16 = 2), the
+// fewest units a thread is given (below 2x this a call runs on one thread),
+// and the elements per staging buffer.
+constexpr int64_t kUnit = 64;
+constexpr int64_t kMinUnitsPerThread = 16384 / kUnit;
 constexpr int64_t kBlock = 512;
 static_assert(kBlock % 64 == 0, "block must hold whole vectors");
 
@@ -75,13 +78,18 @@ inline void adamw_contiguous(float* p, float* m, float* v, const float* g, int64
 // vector at a time, instead of staging the masters through a buffer in three
 // passes.  The scalar tail evaluates the same element math, so every element
 // gets the bits of the staged (DEFAULT) loop.
-template <ScalarKind G>
-void adamw_remainder_fused(const AdamWTensor& t, int64_t begin, int64_t end, const AdamWCoeffs<float>& c,
-                           const AdamWCoeffs<Vec>& cv) {
+//
+// The whole vectors of [begin, end); returns where the scalar tail starts.
+// Instantiated per AdamW / L2 mode so that the mode is a constant in the loop.
+template <ScalarKind G, bool kAdamWMode>
+int64_t adamw_remainder_vectors(const AdamWTensor& t, int64_t begin, int64_t end, const AdamWCoeffs<Vec>& coeffs) {
+  AdamWCoeffs<Vec> cv = coeffs;
+  cv.adam_w_mode = kAdamWMode;  // a constant in the loop: no test per vector
   uint16_t* hi = static_cast<uint16_t*>(t.param);
   int16_t* rem = static_cast<int16_t*>(t.master);
   float* m = t.exp_avg;
   float* v = t.exp_avg_sq;
+  const void* grad = t.grad;
   int64_t i = begin;
   for (; i + Vec::size() <= end; i += Vec::size()) {
     Vec p = merge_master_vec(hi + i, rem + i);
@@ -89,15 +97,27 @@ void adamw_remainder_fused(const AdamWTensor& t, int64_t begin, int64_t end, con
     Vec vv = Vec::loadu(v + i);
     Vec g;
     if constexpr (G == ScalarKind::kFloat32) {
-      g = Vec::loadu(static_cast<const float*>(t.grad) + i);
+      g = Vec::loadu(static_cast<const float*>(grad) + i);
     } else {
-      g = load_bf16_vec(static_cast<const uint16_t*>(t.grad) + i);
+      g = load_bf16_vec(static_cast<const uint16_t*>(grad) + i);
     }
     adamw_element(p, vm, vv, g, cv);
     split_master_vec(p, hi + i, rem + i);
     vm.store(m + i);
     vv.store(v + i);
   }
+  return i;
+}
+
+template <ScalarKind G>
+void adamw_remainder_fused(const AdamWTensor& t, int64_t begin, int64_t end, const AdamWCoeffs<float>& c,
+                           const AdamWCoeffs<Vec>& cv) {
+  uint16_t* hi = static_cast<uint16_t*>(t.param);
+  int16_t* rem = static_cast<int16_t*>(t.master);
+  float* m = t.exp_avg;
+  float* v = t.exp_avg_sq;
+  int64_t i = c.adam_w_mode ? adamw_remainder_vectors<G, true>(t, begin, end, cv)
+                            : adamw_remainder_vectors<G, false>(t, begin, end, cv);
   for (; i < end; ++i) {
     float p = merge_master(hi[i], rem[i]);
     adamw_element(p, m[i], v[i], load_scalar<G>(t.grad, i), c);
@@ -223,22 +243,27 @@ void adamw_apply(const AdamWBatch& batch, const std::vector<AdamWCoeffs<float>>&
   TORCH_CHECK(range_fn != nullptr, "adamw_apply: unsupported dtype / master combination");
   TORCH_CHECK(coeffs.size() == batch.tensors.size(), "adamw_apply: one coefficient set per tensor expected");
 
-  // Work items: fixed-size element ranges over the concatenated tensors, so a
-  // list of many small tensors and a single huge one both spread over threads.
-  std::vector<int64_t> first_item(batch.tensors.size() + 1, 0);
+  // One parallel region over the concatenated tensors, cut into units of
+  // kUnit elements: each thread owns one contiguous run of units (ATen gives
+  // thread k the k-th equal share), so threads get equal element counts
+  // however the sizes are mixed, and each walks its tensors in order, calling
+  // the kernel once per tensor piece.  A unit holds whole cache lines of every
+  // stream, so threads share no line inside a tensor.  The update is
+  // elementwise: the bits do not depend on where the runs are cut.
+  std::vector<int64_t> first_unit(batch.tensors.size() + 1, 0);
   for (size_t i = 0; i < batch.tensors.size(); ++i) {
-    first_item[i + 1] = first_item[i] + (batch.tensors[i].numel + kWorkItem - 1) / kWorkItem;
+    first_unit[i + 1] = first_unit[i] + (batch.tensors[i].numel + kUnit - 1) / kUnit;
   }
-  const int64_t items = first_item.back();
-  if (items == 0) return;
-  at::parallel_for(0, items, 1, [&](int64_t item_begin, int64_t item_end) {
-    size_t tensor = std::upper_bound(first_item.begin(), first_item.end(), item_begin) - first_item.begin() - 1;
-    for (int64_t item = item_begin; item < item_end; ++item) {
-      while (item >= first_item[tensor + 1]) ++tensor;
+  const int64_t units = first_unit.back();
+  if (units == 0) return;
+  at::parallel_for(0, units, kMinUnitsPerThread, [&](int64_t unit_begin, int64_t unit_end) {
+    // The last tensor starting at or before unit_begin (empty tensors own no unit).
+    size_t tensor = std::upper_bound(first_unit.begin(), first_unit.end(), unit_begin) - first_unit.begin() - 1;
+    for (; tensor < batch.tensors.size() && first_unit[tensor] < unit_end; ++tensor) {
       const AdamWTensor& t = batch.tensors[tensor];
-      const int64_t begin = (item - first_item[tensor]) * kWorkItem;
-      const int64_t end = std::min(begin + kWorkItem, t.numel);
-      range_fn(t, begin, end, coeffs[tensor]);
+      const int64_t begin = (std::max(unit_begin, first_unit[tensor]) - first_unit[tensor]) * kUnit;
+      const int64_t end = std::min((unit_end - first_unit[tensor]) * kUnit, t.numel);
+      if (begin < end) range_fn(t, begin, end, coeffs[tensor]);
     }
   });
 }

@@ -59,7 +59,7 @@ void dispatch_storage(ScalarKind kind, const Fn& fn) {
 
 // Sum of squares in double with eight interleaved accumulators combined in a
 // fixed order: fast, and the same bits for the same data on every call.
-double sum_of_squares(const float* x, int64_t n) {
+__attribute__((always_inline)) inline double sum_of_squares(const float* x, int64_t n) {
   double acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int64_t k = 0;
   for (; k + 8 <= n; k += 8) {
@@ -273,6 +273,51 @@ PolarRounding rounding_of(PolarDtype precision) {
   return PolarRounding::kNone;
 }
 
+// A GEMM stage as the CPU runs it: its GEMMs take their beta term from
+// `addend` (at::addmm_out with self != out) where that is not out's buffer.
+struct CpuStage {
+  std::vector<PolarOp> ops;
+  PolarBuffer addend;
+};
+
+// The plan's stages with each copy into a buffer T folded into the GEMM
+// stage right after it, when that stage writes T and its outputs, with the
+// mirror after it, cover all of T: every element of T the copy wrote is then
+// read only through a GEMM's beta term, which reads the copy's source instead
+// (same values, so the same bits), and the copy is skipped. That is every
+// "Poly = c Gram Gram + b Gram" and Gram Newton-Schulz R update: a copy of a
+// [side, side] matrix less per symmetric product.
+std::vector<CpuStage> fold_copies(const std::vector<std::vector<PolarOp>>& stages, int64_t rows, int64_t cols,
+                                  const std::vector<int64_t>& bounds) {
+  const int64_t side = std::min(rows, cols);
+  int64_t mirrored = side * side;  // elements below the diagonal blocks
+  for (size_t i = 0; i + 1 < bounds.size(); ++i) mirrored -= (bounds[i + 1] - bounds[i]) * (bounds[i + 1] - bounds[i]);
+  mirrored /= 2;
+  std::vector<CpuStage> out;
+  for (size_t i = 0; i < stages.size(); ++i) {
+    const PolarOp& first = stages[i].front();
+    if (first.kind == PolarOp::Kind::kCopy && i + 1 < stages.size()) {
+      const std::vector<PolarOp>& next = stages[i + 1];
+      const PolarBuffer to = first.to;
+      if (next.front().kind == PolarOp::Kind::kGemm && next.front().out.buffer == to) {
+        int64_t covered = 0;
+        for (const PolarOp& op : next) covered += op.out.rows * op.out.cols;
+        if (i + 2 < stages.size() && stages[i + 2].front().kind == PolarOp::Kind::kMirror &&
+            stages[i + 2].front().to == to) {
+          covered += mirrored;
+        }
+        if (covered == polar_buffer_numel(to, rows, cols)) {
+          out.push_back({next, first.from});
+          ++i;
+          continue;
+        }
+      }
+    }
+    out.push_back({stages[i], first.kind == PolarOp::Kind::kGemm ? first.out.buffer : PolarBuffer::kX});
+  }
+  return out;
+}
+
 }  // namespace
 
 PolarGemm polar_bf16_gemm() {
@@ -344,7 +389,7 @@ void polar_express(at::Tensor& x, const std::vector<std::array<float, 3>>& coeff
     return;
   }
   if (polar_small_shape(rows, cols)) {
-    // Eight matrices per SIMD vector, no BLAS calls (polar_small.h).
+    // Sixteen matrices per SIMD vector, no BLAS calls (polar_small.h).
     polar_express_small(x.data_ptr<float>(), count, rows, cols, coefficients, rounding,
                         iteration == PolarMethod::kGram);
     return;
@@ -355,9 +400,10 @@ void polar_express(at::Tensor& x, const std::vector<std::array<float, 3>>& coeff
   const int64_t default_row_blocks = native ? native_bf16_row_blocks(side) : polar_row_blocks_cpu(side);
   const std::vector<int64_t> bounds = polar_block_bounds(side, row_blocks > 0 ? row_blocks : default_row_blocks);
   const std::vector<PolarOp> plan =
-      polar_plan(iteration, rows, cols, bounds, static_cast<int>(coefficients.size()));
-  const std::vector<std::vector<PolarOp>> stages =
-      polar_stages(plan, native ? kNativeBf16PanelRows : kPolarPanelRowsCpu);
+      polar_plan(iteration, rows, cols, bounds, static_cast<int>(coefficients.size()),
+                 polar_gram_restart_period(precision != PolarDtype::kFloat32));
+  const std::vector<CpuStage> stages =
+      fold_copies(polar_stages(plan, native ? kNativeBf16PanelRows : kPolarPanelRowsCpu), rows, cols, bounds);
 
   // Scratch of one matrix: its four buffers back to back, each 64-byte aligned
   // (at::empty's CPU allocations are).
@@ -376,10 +422,18 @@ void polar_express(at::Tensor& x, const std::vector<std::array<float, 3>>& coeff
   const at::Tensor scratch = at::empty({group, scratch_numel}, x.options().dtype(scratch_dtype));
   TORCH_INTERNAL_ASSERT(reinterpret_cast<uintptr_t>(scratch.const_data_ptr()) % kAlignBytes == 0);
   const at::Tensor flat_x = x.view({count, rows * cols});
-  auto slot = [&](int64_t member, PolarBuffer b) -> at::Tensor {
-    const int k = static_cast<int>(b);
-    return scratch[member].narrow(0, slot_offset[k], polar_buffer_numel(b, rows, cols));
-  };
+  // Each member's buffers as tensors, made once: a select and narrow per GEMM
+  // call cost about a tenth of a 256x1024 matrix's time on the native path.
+  std::vector<std::array<at::Tensor, kPolarBufferCount>> slots(group);
+  for (int64_t member = 0; member < group; ++member) {
+    for (int k = 0; k < kPolarBufferCount; ++k) {
+      const PolarBuffer b = static_cast<PolarBuffer>(k);
+      if (polar_plan_uses(plan, b)) {
+        slots[member][k] = scratch[member].narrow(0, slot_offset[k], polar_buffer_numel(b, rows, cols));
+      }
+    }
+  }
+  auto slot = [&](int64_t member, PolarBuffer b) -> const at::Tensor& { return slots[member][static_cast<int>(b)]; };
 
   for (int64_t first = 0; first < count; first += group) {
     const int64_t members = std::min(group, count - first);
@@ -388,12 +442,13 @@ void polar_express(at::Tensor& x, const std::vector<std::array<float, 3>>& coeff
       into.copy_(flat_x[first + member]);  // to BF16 (nearest even) when the scratch is BF16
       round_to(output_rounding, into.view({rows, cols}));
     });
-    auto execute = [&](int64_t member, const PolarOp& op) {
+    auto execute = [&](int64_t member, const PolarOp& op, PolarBuffer addend) {
       const std::array<float, 3>& abc = coefficients[op.step];
       switch (op.kind) {
         case PolarOp::Kind::kGemm: {
           at::Tensor out = view_of(slot(member, op.out.buffer), op.out);
-          at::addmm_out(out, out, view_of(slot(member, op.lhs.buffer), op.lhs),
+          const at::Tensor self = addend == op.out.buffer ? out : view_of(slot(member, addend), op.out);
+          at::addmm_out(out, self, view_of(slot(member, op.lhs.buffer), op.lhs),
                         view_of(slot(member, op.rhs.buffer), op.rhs), polar_scalar_value(op.beta, abc[0], abc[1], abc[2]),
                         polar_scalar_value(op.alpha, abc[0], abc[1], abc[2]));
           round_to(output_rounding, out);
@@ -412,62 +467,73 @@ void polar_express(at::Tensor& x, const std::vector<std::array<float, 3>>& coeff
       }
     };
     const bool whole_matrix_stages =
-        std::all_of(stages.begin(), stages.end(), [](const std::vector<PolarOp>& stage) { return stage.size() == 1; });
+        std::all_of(stages.begin(), stages.end(), [](const CpuStage& stage) { return stage.ops.size() == 1; });
     if (members > 1 && (whole_matrix_stages || (members == group && group == at::get_num_threads()))) {
       // A matrix per thread, start to end (every thread has one, or each
       // stage is one call that no thread could share): no barrier between
       // stages, and a matrix's scratch stays in its thread's cache. The same calls on the
       // same panels as below, so the same bits.
       run_tasks(members, [&](int64_t member) {
-        for (const std::vector<PolarOp>& stage : stages) {
-          for (const PolarOp& op : stage) execute(member, op);
+        for (const CpuStage& stage : stages) {
+          for (const PolarOp& op : stage.ops) execute(member, op, stage.addend);
         }
       });
     } else {
       // Fewer matrices than threads: the threads share each stage's panels.
-      for (const std::vector<PolarOp>& stage : stages) {
-        const int64_t ops = static_cast<int64_t>(stage.size());
-        run_tasks(members * ops, [&](int64_t task) { execute(task / ops, stage[task % ops]); });
+      for (const CpuStage& stage : stages) {
+        const int64_t ops = static_cast<int64_t>(stage.ops.size());
+        run_tasks(members * ops, [&](int64_t task) { execute(task / ops, stage.ops[task % ops], stage.addend); });
       }
     }
     run_tasks(members, [&](int64_t member) { flat_x[first + member].copy_(slot(member, PolarBuffer::kX)); });
   }
 }
 
-// NorMuon: per-row (rows >= cols) or per-column multipliers of `count`
-// contiguous matrices at xs, updating the second-moment state of matrix j at
-// second_moment(j).  mult is [count, stat_length].
+// NorMuon on one matrix xm: its per-row (rows >= cols) or per-column
+// multipliers into out[stat_length], updating its second moments smb; `sums`
+// is scratch of stat_length doubles.
+__attribute__((always_inline)) inline void normuon_matrix_multipliers(int64_t rows, int64_t cols, float beta2,
+                                                                     const float* xm, float* smb, float* out,
+                                                                     double* sums) {
+  const int64_t len = shapes::stat_length(rows, cols), red = shapes::reduced_length(rows, cols);
+  if (shapes::stats_per_row(rows, cols)) {
+    for (int64_t r = 0; r < rows; ++r) sums[r] = sum_of_squares(xm + r * cols, cols);
+  } else {
+    std::fill(sums, sums + len, 0.0);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* row = xm + r * cols;
+      for (int64_t c = 0; c < cols; ++c) sums[c] += double(row[c]) * double(row[c]);
+    }
+  }
+  // Two loops: the first vectorizes (no carried sum), the second adds in order.
+  for (int64_t i = 0; i < len; ++i) {
+    const float vm = normuon_mean_square(static_cast<float>(sums[i]), red);
+    smb[i] = lerp(smb[i], vm, 1.0f - beta2);
+    out[i] = normuon_step_size(smb[i]);
+    sums[i] = vm;  // kept for the sums below (exact in double)
+  }
+  float sum_vm = 0.0f, sum_scaled = 0.0f;
+  for (int64_t i = 0; i < len; ++i) {
+    const float vm = static_cast<float>(sums[i]);
+    sum_vm += vm;
+    sum_scaled += ((vm * float(red)) * out[i]) * out[i];
+  }
+  const float ratio = normuon_norm_ratio(sum_vm, sum_scaled, red);
+  for (int64_t i = 0; i < len; ++i) out[i] = out[i] * ratio;
+}
+
+// NorMuon: the multipliers of `count` contiguous matrices at xs, updating the
+// second-moment state of matrix j at second_moment(j).  mult is [count, stat_length].
 template <typename SecondMoment>
 void normuon_multipliers(int64_t rows, int64_t cols, float beta2, int64_t count, const float* xs,
                          const SecondMoment& second_moment, std::vector<float>& mult) {
-  const int64_t len = shapes::stat_length(rows, cols), red = shapes::reduced_length(rows, cols);
-  const bool per_row = shapes::stats_per_row(rows, cols);
+  const int64_t len = shapes::stat_length(rows, cols);
   mult.assign(count * len, 0.0f);
   at::parallel_for(0, count, 1, [&](int64_t first, int64_t last) {
     std::vector<double> sums(len);
     for (int64_t j = first; j < last; ++j) {
-      const float* xm = xs + j * rows * cols;
-      if (per_row) {
-        for (int64_t r = 0; r < rows; ++r) sums[r] = sum_of_squares(xm + r * cols, cols);
-      } else {
-        std::fill(sums.begin(), sums.end(), 0.0);
-        for (int64_t r = 0; r < rows; ++r) {
-          const float* row = xm + r * cols;
-          for (int64_t c = 0; c < cols; ++c) sums[c] += double(row[c]) * double(row[c]);
-        }
-      }
-      float* smb = second_moment(j);
-      float* out = mult.data() + j * len;
-      float sum_vm = 0.0f, sum_scaled = 0.0f;
-      for (int64_t i = 0; i < len; ++i) {
-        const float vm = normuon_mean_square(static_cast<float>(sums[i]), red);
-        smb[i] = lerp(smb[i], vm, 1.0f - beta2);
-        out[i] = normuon_step_size(smb[i]);
-        sum_vm += vm;
-        sum_scaled += ((vm * float(red)) * out[i]) * out[i];
-      }
-      const float ratio = normuon_norm_ratio(sum_vm, sum_scaled, red);
-      for (int64_t i = 0; i < len; ++i) out[i] = out[i] * ratio;
+      normuon_matrix_multipliers(rows, cols, beta2, xs + j * rows * cols, second_moment(j), mult.data() + j * len,
+                                 sums.data());
     }
   });
 }
@@ -477,8 +543,9 @@ void normuon_multipliers(int64_t rows, int64_t cols, float beta2, int64_t count,
 // row by row so the inner loop is branch-free and vectorizes; without NorMuon
 // the multiplier is 1, and x * 1 == x exactly.
 template <ScalarKind P, MasterMode M>
-void apply_range(void* param, void* master, const float* x, const float* mult, bool per_row, int64_t cols,
-                 int64_t offset, int64_t begin, int64_t end, float lr, float lr_wd) {
+__attribute__((always_inline)) inline void apply_range(void* param, void* master, const float* x, const float* mult,
+                                                       bool per_row, int64_t cols, int64_t offset, int64_t begin,
+                                                       int64_t end, float lr, float lr_wd) {
   static const float kOne = 1.0f;
   for (int64_t row_start = begin - begin % cols; row_start < end; row_start += cols) {
     const int64_t first = std::max(begin, row_start), last = std::min(end, row_start + cols);
@@ -564,24 +631,205 @@ void fold_multipliers(float* xs, int64_t count, int64_t rows, int64_t cols, cons
   });
 }
 
+// The fused small-matrix step (docs/design.md, "CPU kernels", small matrices):
+// where Polar-Express runs on the SIMD kernel, each task takes a run of
+// consecutive matrices of the bucket (whole lane groups, about
+// kSmallTaskElements elements, so its buffers stay in the core's cache)
+// through the whole step in one pass: momentum and Nesterov, the input scale,
+// the iterations, NorMuon, and the apply into param and master. Every matrix
+// sees the same operations on the same values as in the unfused passes above,
+// so the bits are theirs, for any run, thread count or address.
+constexpr int64_t kSmallTaskElements = 4096;
+
+bool fused_small_step(const MuonBucket& b) {
+  return polar_small_shape(b.rows, b.cols) && b.matrix_numel() <= kWorkItem;
+}
+
+// Element types of the stored formats, for byte sizes.
+template <ScalarKind K>
+using ParamStorage = std::conditional_t<K == ScalarKind::kFloat32, float, uint16_t>;
+template <MasterMode M>
+using MasterStorage = std::conditional_t<M == MasterMode::kFP32, float, int16_t>;
+
+constexpr int64_t kCacheLine = 64;
+
+__attribute__((always_inline)) inline void prefetch_for_read(const char* p, int64_t bytes) {
+  for (int64_t k = 0; k < bytes; k += kCacheLine) __builtin_prefetch(p + k, 0, 3);
+}
+
+__attribute__((always_inline)) inline void prefetch_for_write(char* p, int64_t bytes) {
+  for (int64_t k = 0; k < bytes; k += kCacheLine) __builtin_prefetch(p + k, 1, 3);
+}
+
+// What every run of one step shares.
+struct SmallStep {
+  int64_t rows, cols, n, len;
+  bool per_row, nesterov, normuon, gram;
+  float mu, beta2, inv_scale, lr, lr_wd;
+  PolarRounding rounding;
+  const float* abc;
+  int64_t steps;
+  std::vector<int64_t> starts;  // each param's first matrix number, and the total
+  std::vector<const void*> grads;
+  std::vector<float*> moms, second_moments;
+  std::vector<void*> params, masters;
+};
+
+// One thread's buffers for a run of up to `matrices` matrices.
+struct SmallBuffers {
+  SmallBuffers(int64_t matrices, int64_t n, int64_t len, int64_t polar_floats)
+      : polar(polar_floats), x(matrices * n), scales(matrices), mult(len), sums(len), smb_of(matrices) {}
+  PolarSmallScratch polar;
+  std::vector<float> x, scales, mult;
+  std::vector<double> sums;
+  std::vector<float*> smb_of;  // each matrix's second moments, for NorMuon in the lanes
+};
+
+// The matrices [begin, end) of the bucket through the whole step. Cloned per
+// instruction set: the elementwise loops (momentum, norms, apply) vectorize
+// with the widest the CPU has; the same IEEE operations, so the same bits.
+template <ScalarKind G, ScalarKind P, MasterMode M>
+__attribute__((target_clones("avx512f", "avx2", "default"))) void small_step_run(const SmallStep& s, int64_t begin,
+                                                                                int64_t end, SmallBuffers& buf) {
+  const int64_t n = s.n, len = s.len, first_param = std::upper_bound(s.starts.begin(), s.starts.end(), begin) -
+                                                        s.starts.begin() - 1;
+  float* const u = buf.x.data();
+  // Prefetch what the apply of this run and the momentum of the next will
+  // read, so those loads overlap the iterations' arithmetic.
+  const int64_t ahead = std::min(end + (end - begin), s.starts.back());
+  for (int64_t at = begin, p = first_param; at < ahead; ++p) {
+    const int64_t stop = std::min(ahead, s.starts[p + 1]), own_end = std::min(stop, end), next = std::max(at, end);
+    if (at < own_end) {
+      const int64_t offset = (at - s.starts[p]) * n, numel = (own_end - at) * n;
+      prefetch_for_write(static_cast<char*>(s.params[p]) + offset * int64_t(sizeof(ParamStorage<P>)),
+                         numel * int64_t(sizeof(ParamStorage<P>)));
+      if constexpr (M != MasterMode::kNone) {
+        prefetch_for_write(static_cast<char*>(s.masters[p]) + offset * int64_t(sizeof(MasterStorage<M>)),
+                           numel * int64_t(sizeof(MasterStorage<M>)));
+      }
+    }
+    if (next < stop) {
+      const int64_t offset = (next - s.starts[p]) * n, numel = (stop - next) * n;
+      prefetch_for_write(reinterpret_cast<char*>(s.moms[p] + offset), numel * int64_t(sizeof(float)));
+      prefetch_for_read(static_cast<const char*>(s.grads[p]) + offset * int64_t(sizeof(ParamStorage<G>)),
+                        numel * int64_t(sizeof(ParamStorage<G>)));
+    }
+    at = stop;
+  }
+  // Momentum and Nesterov, param part by param part (a run may cross params).
+  for (int64_t at = begin, p = first_param; at < end; ++p) {
+    const int64_t count = std::min(end, s.starts[p + 1]) - at, offset = (at - s.starts[p]) * n;
+    const void* grad = s.grads[p];
+    float* mom = s.moms[p] + offset;
+    float* out = u + (at - begin) * n;
+    for (int64_t k = 0; k < count * n; ++k) {
+      out[k] = muon_ext::muon_momentum(mom[k], load_scalar<G>(grad, offset + k) * s.inv_scale, s.mu, s.nesterov);
+    }
+    at += count;
+  }
+  // One work item per matrix (n <= kWorkItem): scale_by_input_norm's sum.
+  for (int64_t j = 0; j < end - begin; ++j) {
+    buf.scales[j] = polar_input_scale(static_cast<float>(sum_of_squares(u + j * n, n)));
+  }
+  // NorMuon in the lanes where its statistics fit the scratch, else per matrix below.
+  const bool lane_normuon = s.normuon && len <= kSmallNorMuonMaxStats;
+  SmallNorMuon normuon{buf.smb_of.data(), s.beta2};
+  if (lane_normuon) {
+    for (int64_t at = begin, p = first_param; at < end; ++p) {
+      const int64_t stop = std::min(end, s.starts[p + 1]);
+      for (int64_t j = at; j < stop; ++j) buf.smb_of[j - begin] = s.second_moments[p] + (j - s.starts[p]) * len;
+      at = stop;
+    }
+  }
+  polar_express_small_matrices(u, buf.scales.data(), end - begin, s.rows, s.cols, s.abc, s.steps, s.rounding,
+                               s.gram, lane_normuon ? &normuon : nullptr, buf.polar.data());
+  for (int64_t at = begin, p = first_param; at < end; ++p) {
+    const int64_t count = std::min(end, s.starts[p + 1]) - at, first = at - s.starts[p];
+    float* xs = u + (at - begin) * n;
+    if (s.normuon && !lane_normuon) {
+      float* smb = s.second_moments[p] + first * len;
+      for (int64_t j = 0; j < count; ++j) {
+        float* xm = xs + j * n;
+        normuon_matrix_multipliers(s.rows, s.cols, s.beta2, xm, smb + j * len, buf.mult.data(), buf.sums.data());
+        // apply_range's x * multiplier, formed here; then x * 1 == x there.
+        const float* mult = buf.mult.data();
+        if (s.per_row) {
+          for (int64_t r = 0; r < s.rows; ++r) {
+            for (int64_t c = 0; c < s.cols; ++c) xm[r * s.cols + c] = xm[r * s.cols + c] * mult[r];
+          }
+        } else {
+          for (int64_t r = 0; r < s.rows; ++r) {
+            for (int64_t c = 0; c < s.cols; ++c) xm[r * s.cols + c] = xm[r * s.cols + c] * mult[c];
+          }
+        }
+      }
+    }
+    if (count > 0) {
+      void* master = s.masters.empty() ? nullptr : s.masters[p];
+      apply_range<P, M>(s.params[p], master, xs, nullptr, true, count * n, first * n, 0, count * n, s.lr, s.lr_wd);
+    }
+    at += count;
+  }
+}
+
+void small_step(const MuonBucket& b, const MuonStepOptions& o, float inv_scale, float lr, float lr_wd) {
+  SmallStep s;
+  s.rows = b.rows, s.cols = b.cols, s.n = b.matrix_numel(), s.len = b.stat_length();
+  s.per_row = shapes::stats_per_row(b.rows, b.cols);
+  s.nesterov = o.hyper.nesterov, s.normuon = o.hyper.normuon;
+  s.gram = polar_method_for(o.polar_method, b.rows, b.cols) == PolarMethod::kGram;
+  s.mu = o.hyper.momentum, s.beta2 = o.hyper.beta2, s.inv_scale = inv_scale, s.lr = lr, s.lr_wd = lr_wd;
+  s.rounding = rounding_of(o.polar_dtype);
+  std::vector<float> abc;
+  for (const auto& t : o.coefficients) abc.insert(abc.end(), t.begin(), t.end());
+  s.abc = abc.data();
+  s.steps = static_cast<int64_t>(o.coefficients.size());
+  s.starts = {0};
+  for (const at::Tensor& p : b.params) s.starts.push_back(s.starts.back() + p.numel() / s.n);
+  s.grads = const_data_pointers(b.grads);
+  s.moms = data_pointers<float>(b.momentum_buffers);
+  s.second_moments = data_pointers<float>(b.second_momentum_buffers);
+  s.params = data_pointers(b.params);
+  s.masters = data_pointers(b.masters);
+  const int64_t run_matrices =
+      std::max<int64_t>(kPolarSmallLanes, kSmallTaskElements / s.n / kPolarSmallLanes * kPolarSmallLanes);
+  const int64_t total = s.starts.back(), runs = (total + run_matrices - 1) / run_matrices;
+  const int64_t polar_floats =
+      polar_small_scratch_floats(b.rows, b.cols, s.gram, s.normuon && s.len <= kSmallNorMuonMaxStats);
+  dispatch_storage(scalar_kind(b.grads[0].scalar_type()), [&](auto grad_storage) {
+    dispatch_param(b.params[0].scalar_type(), b.master_mode, [&](auto param_storage, auto master_mode) {
+      constexpr ScalarKind G = decltype(grad_storage)::value, P = decltype(param_storage)::value;
+      constexpr MasterMode M = decltype(master_mode)::value;
+      at::parallel_for(0, runs, 1, [&](int64_t first_run, int64_t last_run) {
+        SmallBuffers buffers(run_matrices, s.n, s.len, polar_floats);
+        for (int64_t run = first_run; run < last_run; ++run) {
+          small_step_run<G, P, M>(s, run * run_matrices, std::min(total, (run + 1) * run_matrices), buffers);
+        }
+      });
+    });
+  });
+}
+
 }  // namespace
 
 void muon_step(const MuonBucket& b, const MuonStepOptions& o) {
   // Decided (and MUON_EXT_CPU_BF16_GEMM checked) before anything is written.
   if (o.polar_dtype == PolarDtype::kBFloat16) polar_bf16_gemm();
   const int64_t n = b.matrix_numel();
+  if (n == 0) return;
+  const float inv_scale = o.inv_scale.has_value() ? o.inv_scale->item<float>() : 1.0f;
+  // The op read a tensor lr on the host once (ops.cpp, host_lr) and passes its value.
+  TORCH_INTERNAL_ASSERT(!o.lr_tensor.has_value(), "cpu::muon_step takes the lr as a value");
+  const float lr = static_cast<float>(o.lr) * o.lr_factor;
+  const float lr_wd = lr * o.hyper.weight_decay;
+  if (fused_small_step(b)) return small_step(b, o, inv_scale, lr, lr_wd);
+
   std::vector<MatrixRef> all;
   for (size_t i = 0; i < b.params.size(); ++i) {
     const int64_t count = n == 0 ? 0 : b.params[i].numel() / n;
     for (int64_t e = 0; e < count; ++e) all.push_back({static_cast<int64_t>(i), e});
   }
   if (all.empty()) return;
-
-  const float inv_scale = o.inv_scale.has_value() ? o.inv_scale->item<float>() : 1.0f;
-  // The op read a tensor lr on the host once (ops.cpp, host_lr) and passes its value.
-  TORCH_INTERNAL_ASSERT(!o.lr_tensor.has_value(), "cpu::muon_step takes the lr as a value");
-  const float lr = static_cast<float>(o.lr) * o.lr_factor;
-  const float lr_wd = lr * o.hyper.weight_decay;
 
   // Scratch per matrix: X, and for Polar-Express A, B (side^2) plus the next X
   // (shared by the chunk), and the NorMuon multipliers.

@@ -1,11 +1,11 @@
-// Polar-Express for small matrices, eight at a time, one per SIMD lane.
+// Polar-Express for small matrices, sixteen at a time, one per SIMD lane.
 //
 // Thousands of tiny matrices (per-head blocks, expert stacks, (n, 1, 1)
 // parameters) lose everything to per-GEMM call overhead on the BLAS path: at
 // 8x8 each GEMM is a few hundred flops behind microseconds of dispatch. Here a
-// group of eight matrices is transposed into lanes (element e of matrix m at
+// group of sixteen matrices is transposed into lanes (element e of matrix m at
 // lane m of vector e), and the iteration is written out with plain loops on
-// 8-wide vectors: every vector operation is the scalar one per lane, in a
+// 16-wide vectors (one AVX-512 register, two AVX2 ones): every vector operation is the scalar one per lane, in a
 // fixed order, with no FMA contraction, so a matrix gets the same bits in any
 // lane, any group, on any thread count and at any address
 // (docs/design.md, "CPU kernels", small matrices).
@@ -13,6 +13,8 @@
 
 #include <array>
 #include <cstdint>
+#include <cstdlib>
+#include <memory>
 #include <vector>
 
 namespace muon_ext {
@@ -35,6 +37,42 @@ inline bool polar_small_shape(int64_t rows, int64_t cols) {
 // in place, on the intra-op threads: standard iterations, or with `gram` the
 // Gram Newton-Schulz plan of csrc/common/polar_plan.h (polar_gram_plan: the
 // same products, restarts and rounding points).
+// Matrices per group: one per lane of a SIMD vector.
+constexpr int kPolarSmallLanes = 16;
+
+// NorMuon done in the lanes after the iterations (the fused step): matrix j's
+// second moments at second_moments[j], updated; x leaves times its multipliers.
+struct SmallNorMuon {
+  float* const* second_moments;
+  float beta2;
+};
+
+// NorMuon in the lanes up to this many statistics per matrix (its scratch grows with them).
+constexpr int64_t kSmallNorMuonMaxStats = 128;
+
+// Scratch floats polar_express_small_matrices needs (one group in lanes).
+int64_t polar_small_scratch_floats(int64_t rows, int64_t cols, bool gram, bool normuon);
+
+// A 64-byte aligned scratch of `floats` floats, one per thread.
+class PolarSmallScratch {
+ public:
+  explicit PolarSmallScratch(int64_t floats);
+  float* data() { return static_cast<float*>(memory_.get()); }
+
+ private:
+  std::unique_ptr<void, decltype(&std::free)> memory_;
+};
+
+// The iterations on `count` contiguous FP32 [rows, cols] matrices at xs, in
+// place, on the calling thread, group by group. With input_scales, matrix j
+// enters as x * input_scales[j] (the input scaling, done in the lanes); abc
+// holds `steps` (a, b, c) triples; with normuon (stat_length <=
+// kSmallNorMuonMaxStats), NorMuon follows in the lanes; scratch has
+// polar_small_scratch_floats().
+void polar_express_small_matrices(float* xs, const float* input_scales, int64_t count, int64_t rows, int64_t cols,
+                                  const float* abc, int64_t steps, PolarRounding rounding, bool gram,
+                                  const SmallNorMuon* normuon, float* scratch);
+
 void polar_express_small(float* xs, int64_t count, int64_t rows, int64_t cols,
                          const std::vector<std::array<float, 3>>& coefficients, PolarRounding rounding, bool gram);
 

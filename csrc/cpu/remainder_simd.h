@@ -13,6 +13,7 @@
 #pragma once
 
 #include <ATen/cpu/vec/vec.h>
+#include <c10/macros/Macros.h>
 
 #include <cstdint>
 
@@ -47,8 +48,8 @@ inline at::vec::Vectorized<float> merge_master_vec(const uint16_t* hi, const int
   return _mm512_castsi512_ps(_mm512_add_epi32(high, low));
 }
 
-// Splits 16 FP32 masters into BF16 high halves and int16 remainders.
-inline void split_master_vec(const at::vec::Vectorized<float>& master, uint16_t* hi, int16_t* rem) {
+// The full rule of split_master_bits on 16 lanes, NaN corrections included.
+inline void split_master_vec_with_nans(const at::vec::Vectorized<float>& master, uint16_t* hi, int16_t* rem) {
   const __m512i bits = _mm512_castps_si512(master);
   const __m512i lo = _mm512_and_si512(bits, _mm512_set1_epi32(0xFFFF));
   const __m512i magnitude = _mm512_and_si512(bits, _mm512_set1_epi32(0x7FFFFFFF));
@@ -62,6 +63,21 @@ inline void split_master_vec(const at::vec::Vectorized<float>& master, uint16_t*
   // vpmovdw truncates each lane to its low 16 bits: the mod 2^16 of the rule.
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi), _mm512_maskz_cvtepi32_epi16(kAllLanes, high));
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(rem), _mm512_maskz_cvtepi32_epi16(kAllLanes, lo));
+}
+
+// Splits 16 FP32 masters into BF16 high halves and int16 remainders.
+inline void split_master_vec(const at::vec::Vectorized<float>& master, uint16_t* hi, int16_t* rem) {
+  const __m512 values = master;
+  if (C10_UNLIKELY(_mm512_cmp_ps_mask(values, values, _CMP_UNORD_Q) != 0)) {
+    split_master_vec_with_nans(master, hi, rem);
+    return;
+  }
+  const __m512i bits = _mm512_castps_si512(values);
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_set1_epi32(0x8000));
+  // vpmovdw keeps each lane's low 16 bits.
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(hi),
+                      _mm512_maskz_cvtepi32_epi16(kAllLanes, _mm512_maskz_srli_epi32(kAllLanes, rounded, 16)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(rem), _mm512_maskz_cvtepi32_epi16(kAllLanes, bits));
 }
 
 // 16 BF16 values, widened exactly to FP32.
@@ -79,7 +95,8 @@ inline at::vec::Vectorized<float> merge_master_vec(const uint16_t* hi, const int
   return _mm256_castsi256_ps(_mm256_add_epi32(high, low));
 }
 
-inline void split_master_vec(const at::vec::Vectorized<float>& master, uint16_t* hi, int16_t* rem) {
+// The full rule of split_master_bits on 8 lanes, NaN corrections included.
+inline void split_master_vec_with_nans(const at::vec::Vectorized<float>& master, uint16_t* hi, int16_t* rem) {
   const __m256i bits = _mm256_castps_si256(master);
   const __m256i low16 = _mm256_set1_epi32(0xFFFF);
   const __m256i lo = _mm256_and_si256(bits, low16);
@@ -96,6 +113,26 @@ inline void split_master_vec(const at::vec::Vectorized<float>& master, uint16_t*
   const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(high, lo), 0xD8);
   _mm_storeu_si128(reinterpret_cast<__m128i*>(hi), _mm256_castsi256_si128(packed));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(rem), _mm256_extracti128_si256(packed, 1));
+}
+
+inline void split_master_vec(const at::vec::Vectorized<float>& master, uint16_t* hi, int16_t* rem) {
+  const __m256 values = master;
+  if (C10_UNLIKELY(_mm256_movemask_ps(_mm256_cmp_ps(values, values, _CMP_UNORD_Q)) != 0)) {
+    split_master_vec_with_nans(master, hi, rem);
+    return;
+  }
+  const __m256i bits = _mm256_castps_si256(values);
+  const __m256i rounded = _mm256_add_epi32(bits, _mm256_set1_epi32(0x8000));
+  // Each 32-bit lane: the low half of bits (the remainder), the high half of rounded (the BF16).
+  const __m256i halves = _mm256_blend_epi16(bits, rounded, 0xAA);
+  // Per 128-bit lane, the four remainders then the four BF16s; the permute
+  // joins the lanes: [rem 0-3, rem 4-7 | hi 0-3, hi 4-7].
+  const __m256i grouped = _mm256_shuffle_epi8(
+      halves, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,
+                               0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
+  const __m256i packed = _mm256_permute4x64_epi64(grouped, 0xD8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(rem), _mm256_castsi256_si128(packed));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(hi), _mm256_extracti128_si256(packed, 1));
 }
 
 inline at::vec::Vectorized<float> load_bf16_vec(const uint16_t* src) {

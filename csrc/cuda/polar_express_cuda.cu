@@ -144,7 +144,8 @@ void polar_express(const at::Tensor& x, const std::vector<std::array<float, 3>>&
               kMaxPolarRowBlocks);
   const std::vector<int64_t> bounds = polar_block_bounds(s, row_blocks > 0 ? row_blocks : polar_row_blocks_cuda(s));
   const std::vector<PolarOp> plan =
-      polar_plan(workspace.method, rows, cols, bounds, static_cast<int>(coefficients.size()));
+      polar_plan(workspace.method, rows, cols, bounds, static_cast<int>(coefficients.size()),
+                 polar_gram_restart_period(half_width));
   BlockBounds device_bounds{};
   device_bounds.count = static_cast<int>(bounds.size()) - 1;
   std::copy(bounds.begin(), bounds.end(), device_bounds.value);

@@ -321,7 +321,8 @@ TEST(PolarPlan, BlockBoundsAndRowBlocks) {
 // Gram Newton-Schulz (polar_gram_plan)
 // ---------------------------------------------------------------------------
 
-// Seven iterations' (a, b, c): three restarts (before 2, 4 and 6) fit in.
+// Seven iterations' (a, b, c): three restarts (before 2, 4 and 6) fit in at
+// BF16 / FP16's period, two (before 2 and 5) at FP32's.
 const Coefficients kSteps = {{3.4, -4.7, 2.0}, {4.0, -2.8, 0.5}, {3.9, -2.8, 0.5}, {3.3, -2.4, 0.46},
                              {2.3, -1.7, 0.42}, {2.0, -1.4, 0.4}, {1.9, -1.3, 0.38}};
 
@@ -348,15 +349,15 @@ Matrix direct_iterations(Matrix x, int64_t rows, int64_t cols, const Coefficient
   return x;
 }
 
-class GramPlanTest : public ::testing::TestWithParam<std::tuple<int64_t, int64_t, int64_t, int>> {};
+class GramPlanTest : public ::testing::TestWithParam<std::tuple<int64_t, int64_t, int64_t, int, int>> {};
 
 TEST_P(GramPlanTest, ComputesTheStandardPolynomial) {
-  const auto [rows, cols, blocks, steps] = GetParam();
+  const auto [rows, cols, blocks, steps, period] = GetParam();
   const int64_t side = std::min(rows, cols);
   const std::vector<int64_t> bounds = polar_block_bounds(side, blocks);
   Slots s = random_slots(rows, cols, static_cast<unsigned>(rows * 7919 + cols * 31 + blocks * 7 + steps));
   const Matrix expected = direct_iterations(s[PolarBuffer::kX], rows, cols, kSteps, steps);
-  const std::vector<PolarOp> plan = polar_plan(PolarMethod::kGram, rows, cols, bounds, steps);
+  const std::vector<PolarOp> plan = polar_plan(PolarMethod::kGram, rows, cols, bounds, steps, period);
   execute(plan, bounds, kSteps, side, s);
   for (size_t i = 0; i < expected.size(); ++i) {
     ASSERT_NEAR(s[PolarBuffer::kX][i], expected[i], 1e-11 * (1.0 + std::abs(expected[i]))) << "element " << i;
@@ -370,19 +371,20 @@ TEST_P(GramPlanTest, ComputesTheStandardPolynomial) {
                            op.rhs.buffer == PolarBuffer::kX || op.rhs.buffer == PolarBuffer::kXOperand;
     if (touches_x) ++long_gemms;
   }
-  const int restarts = (steps - 1) / kGramRestartPeriod;
+  const int restarts = steps > kGramFirstRestart ? (steps - 1 - kGramFirstRestart) / period + 1 : 0;
   EXPECT_EQ(long_gemms, int64_t(bounds.size() - 1) * (1 + restarts) + 1 + restarts);
 }
 
 INSTANTIATE_TEST_SUITE_P(Shapes, GramPlanTest,
                          ::testing::Combine(::testing::Values(1, 4, 9), ::testing::Values(1, 6, 23),
-                                            ::testing::Values(1, 3), ::testing::Values(1, 2, 3, 4, 7)));
+                                            ::testing::Values(1, 3), ::testing::Values(1, 2, 3, 4, 7),
+                                            ::testing::Values(kGramRestartPeriodHalf, kGramRestartPeriod)));
 
 TEST(GramPlan, StagesComputeItWithPanelsInAnyOrderAndNoOverlap) {
   for (const auto& [rows, cols] : {std::pair<int64_t, int64_t>{13, 40}, {40, 13}}) {
     const int64_t side = std::min(rows, cols);
     const std::vector<int64_t> bounds = polar_block_bounds(side, 3);
-    const std::vector<PolarOp> plan = polar_plan(PolarMethod::kGram, rows, cols, bounds, 5);
+    const std::vector<PolarOp> plan = polar_plan(PolarMethod::kGram, rows, cols, bounds, 5, kGramRestartPeriodHalf);
     const Slots start = random_slots(rows, cols, 11);
     const Matrix expected = direct_iterations(start.buffer[0], rows, cols, kSteps, 5);
     for (const int64_t panel_rows : {2, 5}) {
@@ -423,7 +425,8 @@ TEST(GramPlan, EveryGemmMeetsCublasRules) {
     for (int64_t cols = 1; cols <= 12; ++cols) {
       const int64_t side = std::min(rows, cols);
       for (int64_t blocks : {1, 2, 5}) {
-        for (const PolarOp& op : polar_plan(PolarMethod::kGram, rows, cols, polar_block_bounds(side, blocks), 5)) {
+        for (const PolarOp& op :
+             polar_plan(PolarMethod::kGram, rows, cols, polar_block_bounds(side, blocks), 5, kGramRestartPeriodHalf)) {
           if (op.kind != PolarOp::Kind::kGemm) continue;
           const ColumnMajorGemm g = to_column_major(op);
           const int64_t a_rows = g.trans_a ? g.k : g.m, b_rows = g.trans_b ? g.n : g.k;
@@ -440,31 +443,38 @@ TEST(GramPlan, EveryGemmMeetsCublasRules) {
 
 TEST(GramPlan, SavesGemmWorkAtAspectRatioFour) {
   // Multiply-adds of the plans on the CPU's blocks for 1024x4096, five steps.
-  auto work = [](PolarMethod method, int64_t rows, int64_t cols) {
+  auto work = [](PolarMethod method, int64_t rows, int64_t cols, int period) {
     const std::vector<int64_t> bounds = polar_block_bounds(std::min(rows, cols), polar_row_blocks_cpu(std::min(rows, cols)));
     double total = 0;
-    for (const PolarOp& op : polar_plan(method, rows, cols, bounds, 5))
+    for (const PolarOp& op : polar_plan(method, rows, cols, bounds, 5, period))
       if (op.kind == PolarOp::Kind::kGemm) total += double(op.out.rows) * op.out.cols * op.lhs.cols;
     return total;
   };
-  const double ratio = work(PolarMethod::kStandard, 1024, 4096) / work(PolarMethod::kGram, 1024, 4096);
-  // Restarting before iterations 2 and 4: 34.1 s^3 against 24.9 s^3 multiply-adds.
-  EXPECT_GT(ratio, 1.3);
-  EXPECT_LT(ratio, 1.45);
-  EXPECT_EQ(work(PolarMethod::kGram, 4096, 1024), work(PolarMethod::kGram, 1024, 4096));
+  const double standard = work(PolarMethod::kStandard, 1024, 4096, kGramRestartPeriod);
+  // BF16 / FP16, restarting before iterations 2 and 4: 34.1 s^3 against 24.9 s^3 multiply-adds.
+  const double half_ratio = standard / work(PolarMethod::kGram, 1024, 4096, kGramRestartPeriodHalf);
+  EXPECT_GT(half_ratio, 1.3);
+  EXPECT_LT(half_ratio, 1.45);
+  // FP32, restarting before iteration 2 only: 34.1 s^3 against 20.4 s^3.
+  const double ratio = standard / work(PolarMethod::kGram, 1024, 4096, kGramRestartPeriod);
+  EXPECT_GT(ratio, 1.6);
+  EXPECT_LT(ratio, 1.75);
+  EXPECT_EQ(work(PolarMethod::kGram, 4096, 1024, kGramRestartPeriod),
+            work(PolarMethod::kGram, 1024, 4096, kGramRestartPeriod));
   // Square: Gram costs more than it saves.
-  EXPECT_LT(work(PolarMethod::kStandard, 1024, 1024), work(PolarMethod::kGram, 1024, 1024));
+  EXPECT_LT(work(PolarMethod::kStandard, 1024, 1024, kGramRestartPeriod),
+            work(PolarMethod::kGram, 1024, 1024, kGramRestartPeriod));
 }
 
 TEST(GramPlan, StandardPlanRepeatsTheIteration) {
   const std::vector<int64_t> bounds = polar_block_bounds(5, 2);
   const std::vector<PolarOp> one = polar_iteration_plan(5, 9, bounds);
-  const std::vector<PolarOp> all = polar_plan(PolarMethod::kStandard, 5, 9, bounds, 3);
+  const std::vector<PolarOp> all = polar_plan(PolarMethod::kStandard, 5, 9, bounds, 3, kGramRestartPeriod);
   ASSERT_EQ(all.size(), 3 * one.size());
   for (size_t i = 0; i < all.size(); ++i) EXPECT_EQ(all[i].step, int(i / one.size()));
   EXPECT_FALSE(polar_plan_uses(all, PolarBuffer::kQ));
-  EXPECT_TRUE(polar_plan_uses(polar_plan(PolarMethod::kGram, 5, 9, bounds, 3), PolarBuffer::kQ));
-  EXPECT_TRUE(polar_plan(PolarMethod::kGram, 5, 9, bounds, 0).empty());
+  EXPECT_TRUE(polar_plan_uses(polar_plan(PolarMethod::kGram, 5, 9, bounds, 3, kGramRestartPeriod), PolarBuffer::kQ));
+  EXPECT_TRUE(polar_plan(PolarMethod::kGram, 5, 9, bounds, 0, kGramRestartPeriod).empty());
 }
 
 TEST(GramPlan, AutoRule) {
@@ -476,10 +486,11 @@ TEST(GramPlan, AutoRule) {
   EXPECT_EQ(polar_method_for(PolarMethod::kAuto, 1024, 2048), PolarMethod::kStandard);
   EXPECT_EQ(polar_method_for(PolarMethod::kAuto, 256, 4096), PolarMethod::kStandard);  // short side below 512
   EXPECT_EQ(polar_method_for(PolarMethod::kAuto, 512, 2048), PolarMethod::kGram);
-  EXPECT_TRUE(polar_gram_restarts_before(2));
-  EXPECT_TRUE(polar_gram_restarts_before(4));
-  EXPECT_FALSE(polar_gram_restarts_before(0));
-  EXPECT_FALSE(polar_gram_restarts_before(3));
+  const int half = polar_gram_restart_period(true), other = polar_gram_restart_period(false);
+  for (int step : {2, 4, 6}) EXPECT_TRUE(polar_gram_restarts_before(step, half)) << step;
+  for (int step : {0, 1, 3, 5}) EXPECT_FALSE(polar_gram_restarts_before(step, half)) << step;
+  for (int step : {2, 5, 8}) EXPECT_TRUE(polar_gram_restarts_before(step, other)) << step;
+  for (int step : {0, 1, 3, 4, 6}) EXPECT_FALSE(polar_gram_restarts_before(step, other)) << step;
 }
 
 }  // namespace

@@ -135,7 +135,10 @@ def test_row_blocks_change_rounding_only(shape):
     math as full GEMMs: every row-block count, including more blocks than the
     automatic choice and uneven ones, lands within FP32 noise of the plain
     GEMMs (measured <= 5.3e-8 on params of ~0.1; allowed 1e-6). No weight
-    decay, whose cautious mask may flip where X is within noise of 0."""
+    decay, whose cautious mask may flip where X is within noise of 0. Whether
+    the bits differ at all is the host's GEMM's: on an AVX2 EPYC the panels
+    rounded differently, on an AVX-512 Sapphire Rapids (MKL) they give the
+    full GEMM's bits."""
     plain = make_muon_set([shape])
     fp32 = dict(lr=0.05, weight_decay=0.0, polar_dtype="float32")
     ops.muon_step(*plain.args(make_muon_grads([shape])), **fp32, polar_row_blocks=1)
@@ -143,7 +146,6 @@ def test_row_blocks_change_rounding_only(shape):
         blocked = make_muon_set([shape])
         ops.muon_step(*blocked.args(make_muon_grads([shape])), **fp32, polar_row_blocks=blocks)
         torch.testing.assert_close(blocked.params[0], plain.params[0], rtol=0, atol=1e-6)
-        assert not torch.equal(blocked.params[0], plain.params[0]) or blocks is None and min(shape) < 256
 
 
 def test_leading_dims_are_separate_matrices():

@@ -134,7 +134,7 @@ def _muon_step():
 
 def _polar_express_small_matrices():
     # 4096 matrices of 16x16: the small-matrix kernel (csrc/cpu/polar_small.h),
-    # groups of eight matrices handed to the threads.
+    # groups of sixteen matrices handed to the threads.
     x = torch.randn(4096, 16, 16, generator=torch.Generator().manual_seed(4))
     return lambda: ops.muon_orthogonalize([x], beta2=None, ns_steps=2)
 

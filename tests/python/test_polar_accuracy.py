@@ -64,10 +64,11 @@ def test_float16_output_is_fp16_values_and_follows_the_twin(shape):
 
 # Gram Newton-Schulz (polar_method="gram") against the standard iteration, at
 # the same polar_dtype, on the BLAS path (wide and tall) and the small-matrix
-# SIMD path. Measured gram/standard error ratios (seed 0, restarts before
-# iterations 2 and 4): float32 1.000, float16 0.925 .. 1.003, bfloat16
-# 0.843 .. 1.060 (rank 8 always below 1). Restarting only before iteration 3
-# left a BF16 rank-8 40x160 matrix at 6.07 against 0.57 (docs/design.md,
+# SIMD path. Measured gram/standard error ratios (seed 0; restarts before
+# iteration 2 in FP32, before 2 and 4 in BF16 / FP16): float32 1.000, float16
+# 0.925 .. 1.003, bfloat16 0.843 .. 1.060 (rank 8 always below 1). Restarting
+# only before iteration 3 left a BF16 rank-8 40x160 matrix at 6.07 against
+# 0.57; FP16 restarting before 2 only, 160x40 rank 8 at 1.105x (docs/design.md,
 # "Gram Newton-Schulz").
 GRAM_SHAPES = [(200, 800), (800, 200), (160, 40)]
 

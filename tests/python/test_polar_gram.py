@@ -29,7 +29,7 @@ def orthogonalize(u: torch.Tensor, polar_dtype: str, polar_method: str, ns_steps
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
-@pytest.mark.parametrize("ns_steps", [5, 7], ids=["two_restarts", "three_restarts"])
+@pytest.mark.parametrize("ns_steps", [5, 7], ids=["five_steps", "seven_steps"])
 def test_kernel_follows_the_twin(shape, ns_steps):
     """FP32: within accumulation-order noise of reference.polar_express_gram
     (measured max |diff| <= 2e-6). BF16: every output a BF16 value, at the

@@ -1,5 +1,5 @@
 """The small-matrix Polar-Express kernel (csrc/cpu/polar_small.h): shapes with
-min(rows, cols)^2 * max(rows, cols) <= 2^20 run eight matrices per SIMD vector
+min(rows, cols)^2 * max(rows, cols) <= 2^20 run sixteen matrices per SIMD vector
 instead of BLAS calls.
 
 It must compute the reference iteration (the BF16 rounding points included), and
@@ -36,7 +36,7 @@ def test_small_kernel_follows_the_reference_iteration(shape):
     sums differ only in order, so the outputs agree within a BF16 ulp of the values
     (<= 2^-8 relative to ~1). FP32: within FP32 noise amplified by five iterations."""
     gen = torch.Generator().manual_seed(shape[0] * 131 + shape[1])
-    updates = torch.randn((11,) + shape, generator=gen)
+    updates = torch.randn((19,) + shape, generator=gen)  # a full group of 16 and part of another
     x0 = scaled_input(updates)
     bf16 = orthogonalize(updates, "bfloat16")
     torch.testing.assert_close(bf16, reference.polar_express(x0, COEFFICIENTS, bf16=True), rtol=0, atol=2.0**-7)
@@ -48,7 +48,7 @@ def test_small_kernel_follows_the_reference_iteration(shape):
 @pytest.mark.parametrize("polar_dtype", ["bfloat16", "float32"])
 @pytest.mark.parametrize("shape", [(1, 1), (8, 8), (5, 9), (40, 24)], ids=lambda s: f"{s[0]}x{s[1]}")
 def test_a_matrix_gets_the_same_bits_in_any_lane_and_group(shape, polar_dtype):
-    """19 matrices fill two groups of eight and three lanes of a third: each one
+    """19 matrices fill a group of sixteen and three lanes of a second: each one
     alone (lane 0 of a group padded with zeros), and the batch reversed (every
     matrix in another lane), give the batch's bits."""
     gen = torch.Generator().manual_seed(7)
@@ -69,3 +69,120 @@ def test_non_finite_inputs_stay_in_their_own_matrix():
     assert torch.isnan(dirty[4]).all()
     keep = [j for j in range(9) if j != 4]
     assert torch.equal(dirty[keep], clean[keep])
+
+
+# The fused small-matrix step (csrc/cpu/muon_cpu.cpp, small_step_kernel): one
+# pass per run of 256 / 64 / ... matrices, across params. Its bits must be the
+# unfused passes' (the three phase ops run those), whatever the run, lane,
+# thread count or address of a matrix.
+
+def _bucket(shapes, seed, master_mode, normuon=True):
+    gen = torch.Generator().manual_seed(seed)
+    out = {"params": [], "grads": [], "moms": [], "smbs": [], "masters": []}
+    for shape in shapes:
+        rows, cols = shape[-2:]
+        values = torch.randn(shape, generator=gen) * 0.05
+        out["grads"].append(torch.randn(shape, generator=gen).bfloat16())
+        out["moms"].append(torch.randn(shape, generator=gen) * 0.1)
+        if normuon:
+            stat = shape[:-2] + ((rows, 1) if rows >= cols else (1, cols))
+            out["smbs"].append(torch.rand(stat, generator=gen) * 1e-2)
+        if master_mode == "remainder":
+            out["params"].append(values.bfloat16())
+            out["masters"].append(torch.randint(-2**15, 2**15, shape, generator=gen, dtype=torch.int16))
+        elif master_mode == "fp32":
+            out["params"].append(values.bfloat16())
+            out["masters"].append(values.clone())
+        else:
+            out["params"].append(values)
+    return out
+
+
+def _clone(bucket):
+    return {k: [t.clone() for t in v] for k, v in bucket.items()}
+
+
+def _written(bucket):
+    return bucket["params"] + bucket["moms"] + bucket["smbs"] + bucket["masters"]
+
+
+def _fused_step(bucket, **hyper):
+    ops.muon_step(bucket["params"], bucket["grads"], bucket["moms"], bucket["smbs"], masters=bucket["masters"],
+                  lr=0.02, **hyper)
+
+
+def _phased_step(bucket, beta2=0.95, polar_method="standard", polar_dtype="bfloat16", nesterov=True):
+    updates = [torch.empty(p.shape) for p in bucket["params"]]
+    ops.muon_momentum(bucket["grads"], bucket["moms"], updates, nesterov=nesterov)
+    ops.muon_orthogonalize(updates, bucket["smbs"], beta2=beta2, polar_method=polar_method, polar_dtype=polar_dtype)
+    ops.muon_apply(bucket["params"], updates, masters=bucket["masters"], lr=0.02)
+
+
+def _assert_bits(a, b, what):
+    for i, (x, y) in enumerate(zip(_written(a), _written(b))):
+        assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), f"{what}: tensor {i}"
+
+
+# Stacks spanning several runs and params (a run may cross a param boundary),
+# counts that leave partial lane groups, one matrix per param, tall / wide
+# (NorMuon per row / per column; in the lanes up to 128 statistics, else per
+# matrix).
+FUSED_BUCKETS = {
+    "8x8_stacks": [(150, 8, 8), (37, 8, 8), (8, 8)],
+    "1x1_stack": [(5000, 1, 1), (3, 1, 1)],
+    "3x7_wide": [(300, 3, 7)],
+    "7x3_tall": [(2, 45, 7, 3)],
+    "many_params": [(5, 9)] * 21,
+    # More NorMuon statistics per matrix than the lanes' scratch holds: per matrix.
+    "1x200_wide": [(40, 1, 200)],
+    "150x2_tall": [(30, 150, 2)],
+}
+
+
+@pytest.mark.parametrize("master_mode", ["remainder", "fp32", "none"])
+@pytest.mark.parametrize("kind", list(FUSED_BUCKETS))
+def test_fused_small_step_equals_the_phases(kind, master_mode):
+    bucket = _bucket(FUSED_BUCKETS[kind], seed=len(kind), master_mode=master_mode)
+    fused, phased = _clone(bucket), _clone(bucket)
+    for _ in range(2):
+        _fused_step(fused)
+        _phased_step(phased)
+    _assert_bits(fused, phased, kind)
+
+
+@pytest.mark.parametrize("setting", [dict(beta2=None), dict(polar_method="gram"), dict(polar_dtype="float32"),
+                                     dict(polar_dtype="float16"), dict(nesterov=False)],
+                         ids=lambda d: "-".join(f"{k}={v}" for k, v in d.items()))
+def test_fused_small_step_equals_the_phases_for_every_setting(setting):
+    bucket = _bucket([(70, 8, 8), (19, 8, 8)], seed=11, master_mode="remainder",
+                     normuon=setting.get("beta2", 0.95) is not None)
+    fused, phased = _clone(bucket), _clone(bucket)
+    _fused_step(fused, **setting)
+    _phased_step(phased, **setting)
+    _assert_bits(fused, phased, str(setting))
+
+
+def test_fused_small_step_bits_do_not_depend_on_position_address_or_threads():
+    """Matrices 5.. of a 300-matrix stack stepped as their own stack (other runs,
+    lanes and neighbours), at an odd storage offset, at 1 and 2 threads."""
+    bucket = _bucket([(300, 8, 8)], seed=2, master_mode="remainder")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        whole = _clone(bucket)
+        _fused_step(whole)
+        torch.set_num_threads(2)
+        parallel = _clone(bucket)
+        _fused_step(parallel)
+        _assert_bits(parallel, whole, "2 threads vs 1")
+        shifted = {}
+        for key, (t,) in bucket.items():
+            storage = torch.empty(t.numel() + 3, dtype=t.dtype)
+            view = storage[3:3 + t[5:].numel()].view(t[5:].shape)
+            view.copy_(t[5:])
+            shifted[key] = [view]
+        _fused_step(shifted)
+        for i, (a, b) in enumerate(zip(_written(shifted), _written(whole))):
+            assert torch.equal(a, b[5:]), f"tensor {i}: matrices 5.. at another position and address"
+    finally:
+        torch.set_num_threads(before)

@@ -63,8 +63,9 @@ def muon_bucket(shape, count, seed, master_mode):
 
 
 # Small and large, wide and tall; up to side^2 * length = 2^20 the small-matrix
-# kernel (csrc/cpu/polar_small.h, eight matrices per vector: 19 of them fill two
-# groups and part of a third), above it BLAS; sides >= 256 take the
+# kernel (csrc/cpu/polar_small.h, sixteen matrices per vector: 19 of them fill
+# one group and part of a second; muon_step runs the fused small-matrix step
+# there), above it BLAS; sides >= 256 take the
 # block-triangular path (csrc/common/polar_plan.h), sides > 128 are cut into
 # several row panels.
 SHAPES = [(1, 1), (8, 8), (40, 24), (64, 64), (100, 100), (96, 160), (300, 200), (256, 256), (256, 1024),
@@ -82,6 +83,20 @@ def test_muon_step_bits_do_not_depend_on_threads(shape):
         return params + moms + smbs
 
     assert_same_across_threads(across_threads(run), f"muon_step {shape}")
+
+
+@pytest.mark.parametrize("stack", [(300, 8, 8), (5000, 1, 1), (200, 3, 7)], ids=lambda s: "x".join(map(str, s)))
+def test_fused_small_step_bits_do_not_depend_on_threads(stack):
+    """One batch-view param of many small matrices: the fused small-matrix step
+    hands runs of them to the threads (csrc/cpu/muon_cpu.cpp, small_step_kernel)."""
+    params, grads, moms, smbs, masters = muon_bucket(stack, 1, seed=9, master_mode="remainder")
+
+    def run():
+        ps, ms, ss, rs = [[t.clone() for t in ts] for ts in (params, moms, smbs, masters)]
+        ops.muon_step(ps, grads, ms, ss, masters=rs, lr=0.02)
+        return ps + ms + ss + rs
+
+    assert_same_across_threads(across_threads(run), f"fused small step {stack}")
 
 
 @pytest.mark.parametrize("shape", [(100, 100), (300, 200)], ids=lambda s: f"{s[0]}x{s[1]}")
