@@ -342,13 +342,19 @@ namespace {
 // The native BF16 GEMM (oneDNN on AVX-512 BF16 / AMX) wants big calls: on a
 // Sapphire Rapids core, 1024x4096 X X^T ran at 340 GFLOP/s in 128-row panels,
 // 450 in 256-row, 500 in 512-row and 700 as one call (A A: 640 .. 1240; the
-// update P X: 290 .. 780), and on 256x1024 the block triangle's strided
-// outputs ran at a third of the full product's rate. So on that path each
-// GEMM is one call up to 1024 output rows and the products are full (no block
-// triangle, no mirror) up to side 1024: still a function of the shape only.
+// update P X: 290 .. 780). So on that path each GEMM is one call up to 1024
+// output rows. The block triangle (strided outputs, smaller calls) paid only
+// where X X^T dominates: polar_express on one thread, row blocks 1 / 2 / 4
+// (ms, loaded host): 1024x4096 127 / 118 / 121, 4096x1024 151 / 139 / 129,
+// but 1024x1024 34 / 36 / 39, 2048x2048 351 / 394 / 353, 512x2048 18.5 / 19
+// / 21, and 4 x 256x1024 14 / 17 / 24. Both choices are functions of the
+// shape only.
 constexpr int64_t kNativeBf16PanelRows = 1024;
 
-inline int64_t native_bf16_row_blocks(int64_t side) { return std::clamp<int64_t>(side / kNativeBf16PanelRows, 1, 8); }
+inline int64_t native_bf16_row_blocks(int64_t rows, int64_t cols) {
+  const int64_t side = std::min(rows, cols), length = std::max(rows, cols);
+  return length >= 4 * side ? std::clamp<int64_t>(side / 512, 1, 8) : 1;
+}
 
 // Polar-Express iterations executing csrc/common/polar_plan.h's stages; the
 // result lands in `x` ([count, rows, cols], FP32). Every GEMM is a fixed row
@@ -397,7 +403,7 @@ void polar_express(at::Tensor& x, const std::vector<std::array<float, 3>>& coeff
   const bool native = bf16 && polar_bf16_gemm() == PolarGemm::kNativeBf16;
   const PolarRounding output_rounding = native ? PolarRounding::kNone : rounding;
   const int64_t side = std::min(rows, cols);
-  const int64_t default_row_blocks = native ? native_bf16_row_blocks(side) : polar_row_blocks_cpu(side);
+  const int64_t default_row_blocks = native ? native_bf16_row_blocks(rows, cols) : polar_row_blocks_cpu(side);
   const std::vector<int64_t> bounds = polar_block_bounds(side, row_blocks > 0 ? row_blocks : default_row_blocks);
   const std::vector<PolarOp> plan =
       polar_plan(iteration, rows, cols, bounds, static_cast<int>(coefficients.size()),
