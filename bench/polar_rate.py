@@ -1,13 +1,16 @@
 """Benchmark: CPU Polar-Express against the host's own GEMM rate, per shape.
 
-For every stack of same-shape matrices and thread count, three contenders run
+For every stack of same-shape matrices and thread count, the contenders run
 interleaved in one process (rounds of: ours with polar_dtype "bfloat16", ours
 with "float32", and a plain torch.bmm probe doing the same GEMMs: X X^T, A A
-and B X per iteration, FP32, torch's own threading). Reported per contender:
+and B X per iteration, FP32, torch's own threading; and the same probe in BF16
+where the CPU has a BF16 GEMM). Reported per contender:
 median wall seconds with min..max over all samples, and process CPU seconds
 (robust on a shared host at 1 thread: time spent descheduled is not counted).
 `fraction` = probe seconds / ours seconds, i.e. our Polar-Express rate as a
-fraction of the measured FP32 GEMM rate on the same plain-GEMM FLOP count.
+fraction of the measured GEMM rate of the path in use on the same plain-GEMM
+FLOP count: the FP32 probe for "float32"; for "bfloat16" a BF16 probe
+(`gemm_probe_bfloat16`) where ops.cpu_bf16_gemm() is "native".
 
 Where ops.cpu_bf16_gemm() is "rounded" (no BF16 GEMM in the CPU), the
 "bfloat16" path runs FP32 GEMMs on BF16-rounded operands, so FP32 is its limit.
@@ -98,27 +101,36 @@ def polar_case(shapes: List[tuple], rounds: int, iters: int) -> dict:
         return run
 
     side, length = min(rows, cols), max(rows, cols)
-    x = torch.randn(count, side, length, generator=gen) / (side * length) ** 0.5
-    gram = torch.empty(count, side, side)
-    poly = torch.empty(count, side, side)
-    out = torch.empty(count, side, length)
 
-    def probe():
-        out.copy_(updates.view(count, side, length))  # the same copy-in as ours
-        for _ in range(5):
-            torch.bmm(x, x.mT, out=gram)
-            torch.bmm(gram, gram, out=poly)
-            torch.bmm(poly, x, out=out)
+    def gemm_probe(dtype):
+        x = (torch.randn(count, side, length, generator=gen) / (side * length) ** 0.5).to(dtype)
+        gram = torch.empty(count, side, side, dtype=dtype)
+        poly = torch.empty(count, side, side, dtype=dtype)
+        out = torch.empty(count, side, length, dtype=dtype)
 
-    times = interleaved({"ours_bfloat16": ours("bfloat16"), "ours_float32": ours("float32"), "gemm_probe": probe},
-                        rounds, iters)
+        def probe():
+            out.copy_(updates.view(count, side, length))  # the same copy-in as ours
+            for _ in range(5):
+                torch.bmm(x, x.mT, out=gram)
+                torch.bmm(gram, gram, out=poly)
+                torch.bmm(poly, x, out=out)
+        return probe
+
+    # The yardstick of each path: "bfloat16" runs BF16 GEMMs where the CPU has
+    # them ("native"), else FP32 GEMMs of BF16-rounded values.
+    native = ops.cpu_bf16_gemm() == "native"
+    contenders = {"ours_bfloat16": ours("bfloat16"), "ours_float32": ours("float32"),
+                  "gemm_probe": gemm_probe(torch.float32)}
+    if native:
+        contenders["gemm_probe_bfloat16"] = gemm_probe(torch.bfloat16)
+    times = interleaved(contenders, rounds, iters)
     flops = 5 * count * (4 * side * side * length + 2 * side ** 3)
-    probe_t = times["gemm_probe"]
+    yardstick = {"ours_float32": "gemm_probe", "ours_bfloat16": "gemm_probe_bfloat16" if native else "gemm_probe"}
     return {"shape": [rows, cols], "matrices": count, "flops": flops, "seconds": times,
-            "gemm_probe_flops_per_s": flops / probe_t["wall_median"],
-            "fraction": {k: probe_t["wall_median"] / v["wall_median"] for k, v in times.items() if k != "gemm_probe"},
-            "fraction_cpu_time": {k: probe_t["cpu_median"] / v["cpu_median"]
-                                  for k, v in times.items() if k != "gemm_probe"}}
+            "gemm_probe_flops_per_s": {k: flops / times[k]["wall_median"] for k in times if k.startswith("gemm_probe")},
+            "fraction_against": yardstick,
+            "fraction": {k: times[p]["wall_median"] / times[k]["wall_median"] for k, p in yardstick.items()},
+            "fraction_cpu_time": {k: times[p]["cpu_median"] / times[k]["cpu_median"] for k, p in yardstick.items()}}
 
 
 def gram_case(shape: tuple, rounds: int, iters: int, dtypes=("float32", "bfloat16", "float16")) -> dict:
@@ -231,8 +243,8 @@ def main():
                 iters = 1 if shapes[0][0] * shapes[0][1] >= 1 << 22 else 3
                 case = {"stack": name, "threads": threads, **polar_case(shapes, args.rounds, iters)}
                 results["cases"].append(case)
-                print(f"{threads} thr {name}: fraction {case['fraction']} cpu-time {case['fraction_cpu_time']}",
-                      flush=True)
+                print(f"{threads} thr {name}: fraction {case['fraction']} cpu-time {case['fraction_cpu_time']} "
+                      f"against {case['fraction_against']}", flush=True)
                 save(args.out, results)
         for name, shape in SMALL_STACKS.items():
             if "small" in wanted or name in wanted:

@@ -339,6 +339,23 @@ PolarGemm polar_bf16_gemm() {
 
 namespace {
 
+// The native BF16 GEMM (oneDNN on AVX-512 BF16 / AMX) wants big calls: on a
+// Sapphire Rapids core, 1024x4096 X X^T ran at 340 GFLOP/s in 128-row panels,
+// 450 in 256-row, 500 in 512-row and 700 as one call (A A: 640 .. 1240; the
+// update P X: 290 .. 780). So on that path each GEMM is one call up to 1024
+// output rows. The block triangle (strided outputs, smaller calls) paid only
+// where X X^T dominates: polar_express on one thread, row blocks 1 / 2 / 4
+// (ms, loaded host): 1024x4096 127 / 118 / 121, 4096x1024 151 / 139 / 129,
+// but 1024x1024 34 / 36 / 39, 2048x2048 351 / 394 / 353, 512x2048 18.5 / 19
+// / 21, and 4 x 256x1024 14 / 17 / 24. Both choices are functions of the
+// shape only.
+constexpr int64_t kNativeBf16PanelRows = 1024;
+
+inline int64_t native_bf16_row_blocks(int64_t rows, int64_t cols) {
+  const int64_t side = std::min(rows, cols), length = std::max(rows, cols);
+  return length >= 4 * side ? std::clamp<int64_t>(side / 512, 1, 8) : 1;
+}
+
 // Polar-Express iterations executing csrc/common/polar_plan.h's stages; the
 // result lands in `x` ([count, rows, cols], FP32). Every GEMM is a fixed row
 // panel computed by one single-threaded BLAS call on 64-byte aligned buffers
@@ -386,11 +403,13 @@ void polar_express(at::Tensor& x, const std::vector<std::array<float, 3>>& coeff
   const bool native = bf16 && polar_bf16_gemm() == PolarGemm::kNativeBf16;
   const PolarRounding output_rounding = native ? PolarRounding::kNone : rounding;
   const int64_t side = std::min(rows, cols);
-  const std::vector<int64_t> bounds =
-      polar_block_bounds(side, row_blocks > 0 ? row_blocks : polar_row_blocks_cpu(side));
+  const int64_t default_row_blocks = native ? native_bf16_row_blocks(rows, cols) : polar_row_blocks_cpu(side);
+  const std::vector<int64_t> bounds = polar_block_bounds(side, row_blocks > 0 ? row_blocks : default_row_blocks);
   const std::vector<PolarOp> plan =
-      polar_plan(iteration, rows, cols, bounds, static_cast<int>(coefficients.size()), polar_gram_restart_period(precision != PolarDtype::kFloat32));
-  const std::vector<CpuStage> stages = fold_copies(polar_stages(plan, kPolarPanelRowsCpu), rows, cols, bounds);
+      polar_plan(iteration, rows, cols, bounds, static_cast<int>(coefficients.size()),
+                 polar_gram_restart_period(precision != PolarDtype::kFloat32));
+  const std::vector<CpuStage> stages =
+      fold_copies(polar_stages(plan, native ? kNativeBf16PanelRows : kPolarPanelRowsCpu), rows, cols, bounds);
 
   // Scratch of one matrix: its four buffers back to back, each 64-byte aligned
   // (at::empty's CPU allocations are).
@@ -409,10 +428,18 @@ void polar_express(at::Tensor& x, const std::vector<std::array<float, 3>>& coeff
   const at::Tensor scratch = at::empty({group, scratch_numel}, x.options().dtype(scratch_dtype));
   TORCH_INTERNAL_ASSERT(reinterpret_cast<uintptr_t>(scratch.const_data_ptr()) % kAlignBytes == 0);
   const at::Tensor flat_x = x.view({count, rows * cols});
-  auto slot = [&](int64_t member, PolarBuffer b) -> at::Tensor {
-    const int k = static_cast<int>(b);
-    return scratch[member].narrow(0, slot_offset[k], polar_buffer_numel(b, rows, cols));
-  };
+  // Each member's buffers as tensors, made once: a select and narrow per GEMM
+  // call cost about a tenth of a 256x1024 matrix's time on the native path.
+  std::vector<std::array<at::Tensor, kPolarBufferCount>> slots(group);
+  for (int64_t member = 0; member < group; ++member) {
+    for (int k = 0; k < kPolarBufferCount; ++k) {
+      const PolarBuffer b = static_cast<PolarBuffer>(k);
+      if (polar_plan_uses(plan, b)) {
+        slots[member][k] = scratch[member].narrow(0, slot_offset[k], polar_buffer_numel(b, rows, cols));
+      }
+    }
+  }
+  auto slot = [&](int64_t member, PolarBuffer b) -> const at::Tensor& { return slots[member][static_cast<int>(b)]; };
 
   for (int64_t first = 0; first < count; first += group) {
     const int64_t members = std::min(group, count - first);
@@ -445,9 +472,12 @@ void polar_express(at::Tensor& x, const std::vector<std::array<float, 3>>& coeff
           break;
       }
     };
-    if (members == group && group == at::get_num_threads() && group > 1) {
-      // A matrix per thread, start to end: no barrier between stages, and a
-      // matrix's scratch stays in its thread's cache. The same calls on the
+    const bool whole_matrix_stages =
+        std::all_of(stages.begin(), stages.end(), [](const CpuStage& stage) { return stage.ops.size() == 1; });
+    if (members > 1 && (whole_matrix_stages || (members == group && group == at::get_num_threads()))) {
+      // A matrix per thread, start to end (every thread has one, or each
+      // stage is one call that no thread could share): no barrier between
+      // stages, and a matrix's scratch stays in its thread's cache. The same calls on the
       // same panels as below, so the same bits.
       run_tasks(members, [&](int64_t member) {
         for (const CpuStage& stage : stages) {
