@@ -625,15 +625,19 @@ void apply_update(const MuonBucket& b, const std::vector<MatrixRef>& mats, const
   });
 }
 
-// NorMuon's multipliers folded into X: x = x * mult[row or col], the product
-// the fused apply forms, so phase 3 reads the same update values.
+// NorMuon's multipliers m of one matrix x folded into elements [begin, end):
+// x = x * m[row or col], the product the fused apply forms, so the apply
+// reads the same update values.
+__attribute__((always_inline)) inline void fold_matrix_multipliers(float* x, const float* m, int64_t cols,
+                                                                   bool per_row, int64_t begin, int64_t end) {
+  for (int64_t k = begin; k < end; ++k) x[k] = x[k] * m[per_row ? k / cols : k % cols];
+}
+
 void fold_multipliers(float* xs, int64_t count, int64_t rows, int64_t cols, const std::vector<float>& mult) {
   const int64_t n = rows * cols, len = shapes::stat_length(rows, cols);
   const bool per_row = shapes::stats_per_row(rows, cols);
   for_each_matrix_range(count, n, [&](int64_t j, int64_t begin, int64_t end) {
-    float* x = xs + j * n;
-    const float* m = mult.data() + j * len;
-    for (int64_t k = begin; k < end; ++k) x[k] = x[k] * m[per_row ? k / cols : k % cols];
+    fold_matrix_multipliers(xs + j * n, mult.data() + j * len, cols, per_row, begin, end);
   });
 }
 
@@ -758,16 +762,7 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void small_step_run
         float* xm = xs + j * n;
         normuon_matrix_multipliers(s.rows, s.cols, s.beta2, xm, smb + j * len, buf.mult.data(), buf.sums.data());
         // apply_range's x * multiplier, formed here; then x * 1 == x there.
-        const float* mult = buf.mult.data();
-        if (s.per_row) {
-          for (int64_t r = 0; r < s.rows; ++r) {
-            for (int64_t c = 0; c < s.cols; ++c) xm[r * s.cols + c] = xm[r * s.cols + c] * mult[r];
-          }
-        } else {
-          for (int64_t r = 0; r < s.rows; ++r) {
-            for (int64_t c = 0; c < s.cols; ++c) xm[r * s.cols + c] = xm[r * s.cols + c] * mult[c];
-          }
-        }
+        fold_matrix_multipliers(xm, buf.mult.data(), s.cols, s.per_row, 0, n);
       }
     }
     if (count > 0) {
@@ -832,7 +827,7 @@ void muon_step(const MuonBucket& b, const MuonStepOptions& o) {
 
   std::vector<MatrixRef> all;
   for (size_t i = 0; i < b.params.size(); ++i) {
-    const int64_t count = n == 0 ? 0 : b.params[i].numel() / n;
+    const int64_t count = b.params[i].numel() / n;
     for (int64_t e = 0; e < count; ++e) all.push_back({static_cast<int64_t>(i), e});
   }
   if (all.empty()) return;
