@@ -25,6 +25,7 @@
 #include "common/schema.h"
 #include "common/shapes.h"
 #include "cpu/adamw_cpu.h"
+#include "cpu/bf16_tile_gemm.h"
 #include "cpu/muon_cpu.h"
 #include "cpu/parallel_probe.h"
 
@@ -245,6 +246,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "cpu_bf16_gemm",
       [] { return muon_ext::cpu::polar_bf16_gemm() == muon_ext::cpu::PolarGemm::kNativeBf16 ? "native" : "rounded"; },
       "How BF16 Polar-Express GEMMs run on this CPU (see muon_ext.ops.cpu_bf16_gemm).");
+  m.def("cpu_bf16_tile_gemm", &muon_ext::cpu::bf16_tile_gemm_available,
+        "Whether native BF16 Polar-Express runs on oneDNN's AMX micro-kernel (see muon_ext.ops.cpu_bf16_tile_gemm).");
   m.def("threads_used_by_parallel_for", &muon_ext::cpu::threads_used_by_parallel_for, py::arg("items"),
         py::arg("grain"), py::call_guard<py::gil_scoped_release>(),
         "Test hook: how many distinct threads at::parallel_for, as compiled into the kernels, runs on.");

@@ -345,6 +345,15 @@ def cpu_bf16_gemm() -> str:
     return _C.cpu_bf16_gemm()
 
 
+def cpu_bf16_tile_gemm() -> bool:
+    """Whether the "native" path runs its GEMMs on oneDNN's batch-reduce
+    micro-kernel (CPUs with AMX-BF16): tiles of 64 columns into an FP32
+    accumulator, each output rounded to BF16 once, for matrices whose sides
+    are multiples of 16 (others take at::addmm). MUON_EXT_CPU_TILE_GEMM=0
+    turns it off (read at every call)."""
+    return _C.cpu_bf16_tile_gemm()
+
+
 def storage_problem(t: torch.Tensor) -> str:
     """What is wrong with `t`'s storage for its view, or '' when it holds every
     element: a storage released (untyped_storage().resize_(0)) or shrunk under

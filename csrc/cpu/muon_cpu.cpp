@@ -30,6 +30,7 @@
 #include "../common/polar_plan.h"
 #include "../common/remainder.h"
 #include "../common/shapes.h"
+#include "bf16_tile_gemm.h"
 #include "polar_small.h"
 #include "scalar_io.h"
 #include "scalar_kind.h"
@@ -318,6 +319,50 @@ std::vector<CpuStage> fold_copies(const std::vector<std::vector<PolarOp>>& stage
   return out;
 }
 
+// On the micro-kernel, a GEMM packs its whole right operand column chunk
+// before writing that chunk of its output (bf16_tile_gemm.h), so "copy B to
+// T, then one call B = A T (+ beta B)" may read T's values from B itself: the
+// copy (X into XOperand before X = Poly X + a X, and before the Gram plan's
+// last Q X) is skipped. One call only: a second row panel would read rows the
+// first had overwritten.
+std::vector<CpuStage> read_operands_in_place(const std::vector<CpuStage>& stages) {
+  std::vector<CpuStage> out;
+  for (size_t i = 0; i < stages.size(); ++i) {
+    const CpuStage& stage = stages[i];
+    if (i + 1 < stages.size() && stage.ops.size() == 1 && stage.ops[0].kind == PolarOp::Kind::kCopy &&
+        stages[i + 1].ops.size() == 1) {
+      const PolarOp& copy = stage.ops[0];
+      const PolarOp& gemm = stages[i + 1].ops[0];
+      // Whether a later op may read T before a copy overwrites all of it
+      // (a GEMM writing T counts as a read: it may write only a part).
+      auto reads_copy = [&](const PolarOp& op) {
+        if (op.kind == PolarOp::Kind::kGemm) {
+          return op.lhs.buffer == copy.to || op.rhs.buffer == copy.to || op.out.buffer == copy.to;
+        }
+        return op.from == copy.to || (op.kind != PolarOp::Kind::kCopy && op.to == copy.to);
+      };
+      bool later_reads = false, overwritten = false;
+      for (size_t j = i + 2; j < stages.size() && !later_reads && !overwritten; ++j) {
+        for (const PolarOp& op : stages[j].ops) {
+          if (reads_copy(op)) later_reads = true;
+          if (op.kind == PolarOp::Kind::kCopy && op.to == copy.to) overwritten = true;
+          if (later_reads || overwritten) break;
+        }
+      }
+      if (gemm.kind == PolarOp::Kind::kGemm && gemm.out.buffer == copy.from && gemm.rhs.buffer == copy.to &&
+          gemm.lhs.buffer != copy.to && !later_reads) {
+        CpuStage fused = stages[i + 1];
+        fused.ops[0].rhs.buffer = copy.from;
+        out.push_back(fused);
+        ++i;
+        continue;
+      }
+    }
+    out.push_back(stage);
+  }
+  return out;
+}
+
 }  // namespace
 
 PolarGemm polar_bf16_gemm() {
@@ -402,14 +447,23 @@ void polar_express(at::Tensor& x, const std::vector<std::array<float, 3>>& coeff
   }
   const bool native = bf16 && polar_bf16_gemm() == PolarGemm::kNativeBf16;
   const PolarRounding output_rounding = native ? PolarRounding::kNone : rounding;
-  const int64_t side = std::min(rows, cols);
-  const int64_t default_row_blocks = native ? native_bf16_row_blocks(rows, cols) : polar_row_blocks_cpu(side);
+  const int64_t side = std::min(rows, cols), length = std::max(rows, cols);
+  // On the micro-kernel (bf16_tile_gemm.h) a tall matrix runs as its
+  // transpose: polar(X) = polar(X^T)^T, and the wide plan's operands are all
+  // row-major but X^T, which packing reads transposed for free. The
+  // micro-kernel's own triangle (symmetric tiles) replaces row blocks.
+  const bool tiles = native && bf16_tile_gemm_available() && side % 16 == 0 && length % 16 == 0;
+  const bool transposed = tiles && rows > cols;
+  const int64_t plan_rows = transposed ? cols : rows, plan_cols = transposed ? rows : cols;
+  const int64_t default_row_blocks =
+      tiles ? 1 : native ? native_bf16_row_blocks(rows, cols) : polar_row_blocks_cpu(side);
   const std::vector<int64_t> bounds = polar_block_bounds(side, row_blocks > 0 ? row_blocks : default_row_blocks);
   const std::vector<PolarOp> plan =
-      polar_plan(iteration, rows, cols, bounds, static_cast<int>(coefficients.size()),
+      polar_plan(iteration, plan_rows, plan_cols, bounds, static_cast<int>(coefficients.size()),
                  polar_gram_restart_period(precision != PolarDtype::kFloat32));
-  const std::vector<CpuStage> stages =
-      fold_copies(polar_stages(plan, native ? kNativeBf16PanelRows : kPolarPanelRowsCpu), rows, cols, bounds);
+  std::vector<CpuStage> stages = fold_copies(
+      polar_stages(plan, native ? kNativeBf16PanelRows : kPolarPanelRowsCpu), plan_rows, plan_cols, bounds);
+  if (tiles) stages = read_operands_in_place(stages);
 
   // Scratch of one matrix: its four buffers back to back, each 64-byte aligned
   // (at::empty's CPU allocations are).
@@ -445,13 +499,40 @@ void polar_express(at::Tensor& x, const std::vector<std::array<float, 3>>& coeff
     const int64_t members = std::min(group, count - first);
     run_tasks(members, [&](int64_t member) {
       at::Tensor into = slot(member, PolarBuffer::kX);
-      into.copy_(flat_x[first + member]);  // to BF16 (nearest even) when the scratch is BF16
+      // To BF16 (nearest even) when the scratch is BF16.
+      if (transposed) {
+        transpose_to_bf16(flat_x[first + member].const_data_ptr<float>(), rows, cols,
+                          static_cast<uint16_t*>(into.data_ptr()));
+      } else {
+        into.copy_(flat_x[first + member]);
+      }
       round_to(output_rounding, into.view({rows, cols}));
     });
+    // A kGemm on the micro-kernel: its views as pointers into the member's BF16 slots.
+    auto tile_gemm = [&](int64_t member, const PolarOp& op, PolarBuffer addend, const std::array<float, 3>& abc) {
+      auto data = [&](PolarBuffer b, int64_t offset) {
+        return static_cast<uint16_t*>(slot(member, b).data_ptr()) + offset;
+      };
+      TORCH_INTERNAL_ASSERT(!op.lhs.transposed && !op.out.transposed);
+      const float beta = static_cast<float>(polar_scalar_value(op.beta, abc[0], abc[1], abc[2]));
+      // The square buffers hold polynomials in one symmetric matrix (polar_plan.h).
+      const bool symmetric = op.out.buffer != PolarBuffer::kX && op.out.buffer != PolarBuffer::kXOperand &&
+                             op.out.offset == 0 && op.out.rows == side && op.out.cols == side;
+      bf16_tile_gemm(op.out.rows, op.out.cols, op.lhs.cols,
+                     static_cast<float>(polar_scalar_value(op.alpha, abc[0], abc[1], abc[2])),
+                     data(op.lhs.buffer, op.lhs.offset), op.lhs.ld,
+                     Bf16Matrix{data(op.rhs.buffer, op.rhs.offset), op.rhs.ld, op.rhs.transposed}, beta,
+                     beta == 0.0f ? nullptr : data(addend, op.out.offset), op.out.ld,
+                     data(op.out.buffer, op.out.offset), op.out.ld, symmetric);
+    };
     auto execute = [&](int64_t member, const PolarOp& op, PolarBuffer addend) {
       const std::array<float, 3>& abc = coefficients[op.step];
       switch (op.kind) {
         case PolarOp::Kind::kGemm: {
+          if (tiles) {
+            tile_gemm(member, op, addend, abc);
+            break;
+          }
           at::Tensor out = view_of(slot(member, op.out.buffer), op.out);
           const at::Tensor self = addend == op.out.buffer ? out : view_of(slot(member, addend), op.out);
           at::addmm_out(out, self, view_of(slot(member, op.lhs.buffer), op.lhs),
@@ -483,15 +564,26 @@ void polar_express(at::Tensor& x, const std::vector<std::array<float, 3>>& coeff
         for (const CpuStage& stage : stages) {
           for (const PolarOp& op : stage.ops) execute(member, op, stage.addend);
         }
+        if (tiles) bf16_tile_gemm_release();
       });
     } else {
       // Fewer matrices than threads: the threads share each stage's panels.
       for (const CpuStage& stage : stages) {
         const int64_t ops = static_cast<int64_t>(stage.ops.size());
-        run_tasks(members * ops, [&](int64_t task) { execute(task / ops, stage.ops[task % ops], stage.addend); });
+        run_tasks(members * ops, [&](int64_t task) {
+          execute(task / ops, stage.ops[task % ops], stage.addend);
+          if (tiles) bf16_tile_gemm_release();
+        });
       }
     }
-    run_tasks(members, [&](int64_t member) { flat_x[first + member].copy_(slot(member, PolarBuffer::kX)); });
+    run_tasks(members, [&](int64_t member) {
+      if (transposed) {
+        transpose_from_bf16(static_cast<const uint16_t*>(slot(member, PolarBuffer::kX).const_data_ptr()), cols, rows,
+                            flat_x[first + member].data_ptr<float>());
+      } else {
+        flat_x[first + member].copy_(slot(member, PolarBuffer::kX));
+      }
+    });
   }
 }
 

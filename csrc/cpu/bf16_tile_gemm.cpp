@@ -1,0 +1,234 @@
+// BF16 GEMMs on oneDNN's batch-reduce micro-kernel; see bf16_tile_gemm.h.
+#include "bf16_tile_gemm.h"
+
+#include <ATen/native/CPUBlas.h>
+#include <c10/util/BFloat16.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+
+namespace muon_ext {
+namespace cpu {
+namespace {
+
+// Columns per accumulator tile (the kernel's packed-operand block).
+constexpr int64_t kTileCols = 64;
+// Rows per accumulator tile; symmetric outputs take smaller tiles so more of
+// the lower triangle is skipped (with 256 rows: 6 of 16 tiles, against 2 of 8).
+constexpr int64_t kTileRows = 128;
+constexpr int64_t kSymmetricTileRows = 64;
+// Below this side the mirror costs more than the skipped tiles save: every
+// tile is computed (the kernel's products and sums are symmetric in the two
+// operands, so the lower triangle comes out equal to the upper anyway).
+constexpr int64_t kMinSkippedSide = 512;
+// Columns of the packed right operand multiplied against every row tile in
+// turn: at most this many elements, so the block stays in the core's L2.
+constexpr int64_t kPackedChunkElements = int64_t(512) * 1024;
+
+// r[i] := word i of each of the 16 vectors r[0..15], in order (a 16 x 16
+// transpose of 32-bit words in registers).
+__attribute__((target("avx512f"), always_inline)) inline void transpose_16x16(__m512i* r) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+
+// 16 FP32 values rounded to BF16, nearest even, NaN to 0x7FC0: the bits of
+// float_to_bf16_bits_rne (bits.h) and of at::Tensor::to(kBFloat16).
+__attribute__((target("avx512f,avx512bw"), always_inline)) inline __m256i round_to_bf16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb)), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+// The kernel's layout of a [k, w] block of the right operand (w columns from
+// `col`, w a multiple of 16): for each pair of rows (2p, 2p + 1), the w column
+// pairs side by side, [k / 2][w][2] (at::native::cpublas::pack's layout;
+// tests/python/test_polar_tiles.py checks the products). Only AMX CPUs run
+// it, and they all have AVX-512 BW.
+__attribute__((target("avx512f,avx512bw"))) void pack_block(const Bf16Matrix& rhs, int64_t k, int64_t col,
+                                                           int64_t w, uint16_t* dst) {
+  if (!rhs.transposed) {
+    // Interleave rows 2p and 2p + 1, 32 columns at a time.
+    alignas(64) static const uint16_t kLow[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
+                                                  8,  40, 9,  41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    alignas(64) static const uint16_t kHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                   24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+    const __m512i low = _mm512_load_si512(kLow), high = _mm512_load_si512(kHigh);
+    for (int64_t p = 0; p < k / 2; ++p) {
+      const uint16_t* row0 = rhs.data + (2 * p) * rhs.ld + col;
+      const uint16_t* row1 = row0 + rhs.ld;
+      uint16_t* d = dst + p * w * 2;
+      int64_t c = 0;
+      for (; c + 32 <= w; c += 32) {
+        const __m512i a = _mm512_loadu_si512(row0 + c), b = _mm512_loadu_si512(row1 + c);
+        _mm512_storeu_si512(d + 2 * c, _mm512_permutex2var_epi16(a, low, b));
+        _mm512_storeu_si512(d + 2 * c + 32, _mm512_permutex2var_epi16(a, high, b));
+      }
+      for (; c < w; ++c) {
+        d[2 * c] = row0[c];
+        d[2 * c + 1] = row1[c];
+      }
+    }
+    return;
+  }
+  // Transposed: element (r, c) at data[c * ld + r], so the pair (2p, 2p + 1)
+  // of column c is the 32-bit word p of stored row c: a transpose of 32-bit
+  // words, 16 x 16 at a time in registers.
+  const int64_t pairs = k / 2;
+  for (int64_t c0 = 0; c0 < w; c0 += 16) {
+    int64_t p0 = 0;
+    for (; p0 + 16 <= pairs; p0 += 16) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(rhs.data + (col + c0 + i) * rhs.ld + 2 * p0);
+      transpose_16x16(r);
+      // r[j]: word p0 + j of the 16 rows, in row order.
+      for (int j = 0; j < 16; ++j) _mm512_storeu_si512(dst + ((p0 + j) * w + c0) * 2, r[j]);
+    }
+    for (; p0 < pairs; ++p0) {
+      for (int64_t c = 0; c < 16; ++c) {
+        uint32_t v;
+        std::memcpy(&v, rhs.data + (col + c0 + c) * rhs.ld + 2 * p0, sizeof(v));
+        std::memcpy(dst + (p0 * w + c0 + c) * 2, &v, sizeof(v));
+      }
+    }
+  }
+}
+
+// out rows of one tile: bf16(alpha * acc + beta * addend), FP32 multiplies
+// and add (no fused multiply-add), one round to nearest even per output.
+__attribute__((target("avx512f,avx512bw"))) void write_tile(const float* acc, int64_t h, int64_t w, float alpha,
+                                                           float beta, const uint16_t* addend, int64_t ld_addend,
+                                                           uint16_t* out, int64_t ld_out) {
+  const __m512 alpha_v = _mm512_set1_ps(alpha), beta_v = _mm512_set1_ps(beta);
+  for (int64_t i = 0; i < h; ++i) {
+    for (int64_t j = 0; j < w; j += 16) {
+      __m512 v = _mm512_mul_ps(alpha_v, _mm512_loadu_ps(acc + i * w + j));
+      if (beta != 0.0f) {
+        const __m256i s = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(addend + i * ld_addend + j));
+        const __m512 widened = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(s), 16));
+        v = _mm512_add_ps(v, _mm512_mul_ps(beta_v, widened));
+      }
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * ld_out + j), round_to_bf16(v));
+    }
+  }
+}
+
+// out(i, j) := out(j, i) for i > j, in blocks (both sides stay in cache).
+void mirror_lower(uint16_t* out, int64_t n, int64_t ld) {
+  constexpr int64_t kBlock = 32;
+  for (int64_t i0 = 0; i0 < n; i0 += kBlock) {
+    for (int64_t j0 = 0; j0 <= i0; j0 += kBlock) {
+      for (int64_t i = i0; i < std::min(i0 + kBlock, n); ++i) {
+        for (int64_t j = j0; j < std::min({j0 + kBlock, n, i}); ++j) out[i * ld + j] = out[j * ld + i];
+      }
+    }
+  }
+}
+
+}  // namespace
+
+bool bf16_tile_gemm_available() {
+  static const bool available = at::native::cpublas::could_pack(at::kBFloat16);
+  // MUON_EXT_CPU_TILE_GEMM=0 turns it off (read per call: for A/B benchmarks and tests).
+  const char* setting = std::getenv("MUON_EXT_CPU_TILE_GEMM");
+  return available && (setting == nullptr || std::string(setting) != "0");
+}
+
+bool bf16_tile_gemm_fits(int64_t m, int64_t n, int64_t k) { return m > 0 && n > 0 && k > 0 && n % 16 == 0 && k % 2 == 0; }
+
+void bf16_tile_gemm(int64_t m, int64_t n, int64_t k, float alpha, const uint16_t* lhs, int64_t ld_lhs,
+                    Bf16Matrix rhs, float beta, const uint16_t* addend, int64_t ld_addend, uint16_t* out,
+                    int64_t ld_out, bool symmetric) {
+  // The thread's packed operand and accumulator, kept between calls.
+  thread_local std::vector<uint16_t> packed;
+  thread_local std::vector<float> accumulator;
+  symmetric = symmetric && m >= kMinSkippedSide;
+  const int64_t tile_rows = symmetric ? kSymmetricTileRows : kTileRows;
+  const int64_t chunk_cols =
+      std::max<int64_t>(kTileCols, std::min(n, kPackedChunkElements / k) / kTileCols * kTileCols);
+  if (int64_t(packed.size()) < chunk_cols * k) packed.resize(chunk_cols * k);
+  if (int64_t(accumulator.size()) < tile_rows * kTileCols) accumulator.resize(tile_rows * kTileCols);
+  float* acc = accumulator.data();
+  const auto* a = reinterpret_cast<const c10::BFloat16*>(lhs);
+  for (int64_t n0 = 0; n0 < n; n0 += chunk_cols) {
+    const int64_t chunk = std::min(chunk_cols, n - n0);
+    for (int64_t c = 0; c < chunk; c += kTileCols) {
+      pack_block(rhs, k, n0 + c, std::min(kTileCols, chunk - c), packed.data() + c * k);
+    }
+    for (int64_t m0 = 0; m0 < m; m0 += tile_rows) {
+      const int64_t h = std::min(tile_rows, m - m0);
+      for (int64_t c = 0; c < chunk; c += kTileCols) {
+        const int64_t col = n0 + c, w = std::min(kTileCols, chunk - c);
+        if (symmetric && col + w <= m0) continue;  // wholly below the diagonal: mirrored below
+        at::native::cpublas::brgemm(h, w, k, ld_lhs, w, w, /*add_C=*/false, a + m0 * ld_lhs,
+                                    reinterpret_cast<const c10::BFloat16*>(packed.data() + c * k), acc,
+                                    /*is_vnni=*/true);
+        write_tile(acc, h, w, alpha, beta, beta == 0.0f ? nullptr : addend + m0 * ld_addend + col, ld_addend,
+                   out + m0 * ld_out + col, ld_out);
+      }
+    }
+  }
+  if (symmetric) mirror_lower(out, m, ld_out);
+}
+
+__attribute__((target("avx512f,avx512bw"))) void transpose_to_bf16(const float* in, int64_t rows, int64_t cols,
+                                                                  uint16_t* out) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+    for (int64_t c0 = 0; c0 < cols; c0 += 16) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(in + (r0 + i) * cols + c0);
+      transpose_16x16(r);
+      for (int j = 0; j < 16; ++j) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (c0 + j) * rows + r0),
+                            round_to_bf16(_mm512_castsi512_ps(r[j])));
+      }
+    }
+  }
+}
+
+__attribute__((target("avx512f,avx512bw"))) void transpose_from_bf16(const uint16_t* in, int64_t rows, int64_t cols,
+                                                                    float* out) {
+  for (int64_t r0 = 0; r0 < rows; r0 += 16) {
+    for (int64_t c0 = 0; c0 < cols; c0 += 16) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) {
+        const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(in + (r0 + i) * cols + c0));
+        r[i] = _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+      }
+      transpose_16x16(r);
+      for (int j = 0; j < 16; ++j) _mm512_storeu_si512(out + (c0 + j) * rows + r0, r[j]);
+    }
+  }
+}
+
+void bf16_tile_gemm_release() { at::native::cpublas::brgemm_release(/*is_vnni=*/true); }
+
+}  // namespace cpu
+}  // namespace muon_ext
