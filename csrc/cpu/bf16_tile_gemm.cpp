@@ -4,17 +4,21 @@
 #include <ATen/native/CPUBlas.h>
 #include <c10/util/BFloat16.h>
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <string>
 #include <vector>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 
 namespace muon_ext {
 namespace cpu {
+
+#if defined(__x86_64__)
 namespace {
 
 // Columns per accumulator tile (the kernel's packed-operand block).
@@ -161,8 +165,6 @@ bool bf16_tile_gemm_available() {
   return available && (setting == nullptr || std::string(setting) != "0");
 }
 
-bool bf16_tile_gemm_fits(int64_t m, int64_t n, int64_t k) { return m > 0 && n > 0 && k > 0 && n % 16 == 0 && k % 2 == 0; }
-
 void bf16_tile_gemm(int64_t m, int64_t n, int64_t k, float alpha, const uint16_t* lhs, int64_t ld_lhs,
                     Bf16Matrix rhs, float beta, const uint16_t* addend, int64_t ld_addend, uint16_t* out,
                     int64_t ld_out, bool symmetric) {
@@ -229,6 +231,20 @@ __attribute__((target("avx512f,avx512bw"))) void transpose_from_bf16(const uint1
 }
 
 void bf16_tile_gemm_release() { at::native::cpublas::brgemm_release(/*is_vnni=*/true); }
+
+
+#else  // AMX is x86 only: elsewhere the native path keeps at::addmm_out.
+
+bool bf16_tile_gemm_available() { return false; }
+void bf16_tile_gemm(int64_t, int64_t, int64_t, float, const uint16_t*, int64_t, Bf16Matrix, float, const uint16_t*,
+                    int64_t, uint16_t*, int64_t, bool) {
+  TORCH_CHECK(false, "bf16_tile_gemm: no AMX on this architecture");
+}
+void transpose_to_bf16(const float*, int64_t, int64_t, uint16_t*) { TORCH_CHECK(false, "no AMX here"); }
+void transpose_from_bf16(const uint16_t*, int64_t, int64_t, float*) { TORCH_CHECK(false, "no AMX here"); }
+void bf16_tile_gemm_release() {}
+
+#endif
 
 }  // namespace cpu
 }  // namespace muon_ext

@@ -15,12 +15,9 @@
 namespace muon_ext {
 namespace cpu {
 
-// Whether this CPU runs the micro-kernel (AMX-BF16), so bf16_tile_gemm may be used.
+// Whether this CPU runs the micro-kernel (AMX-BF16), so bf16_tile_gemm may be
+// used (for sides that are multiples of 16: the kernel's columns, and k even).
 bool bf16_tile_gemm_available();
-
-// Whether bf16_tile_gemm takes an [m, k] x [k, n] product: n a multiple of
-// the kernel's 16 columns and k even (its pairs of BF16 values).
-bool bf16_tile_gemm_fits(int64_t m, int64_t n, int64_t k);
 
 // BF16 values as bit patterns (uint16_t), row-major with leading dimensions.
 struct Bf16Matrix {
