@@ -118,6 +118,21 @@ void scale_by_input_norm(float* xs, int64_t count, int64_t n, const std::vector<
   });
 }
 
+// Momentum and Nesterov over elements [begin, end) of one matrix (grad and
+// mom at `offset`), into out; returns the sum of squares of what it wrote.
+// Cloned per instruction set, as torch's kernels are: the baseline build
+// would run it one scalar at a time; the same IEEE operations in every clone
+// (no contraction, sum_of_squares' eight fixed chains), so the same bits.
+template <ScalarKind G>
+__attribute__((target_clones("avx512f", "avx2", "default"))) double momentum_range(
+    const void* grad, float* mom, float* out, int64_t offset, int64_t begin, int64_t end, float inv_scale, float mu,
+    bool nesterov) {
+  for (int64_t k = begin; k < end; ++k) {
+    out[k] = muon_ext::muon_momentum(mom[k], load_scalar<G>(grad, offset + k) * inv_scale, mu, nesterov);
+  }
+  return sum_of_squares(out + begin, end - begin);
+}
+
 // Pre-pass of the fused step: momentum + Nesterov into the workspace, then the input scale.
 void momentum_and_scale(const MuonBucket& b, const MuonStepOptions& o, const std::vector<MatrixRef>& mats,
                         float inv_scale, at::Tensor& x) {
@@ -137,10 +152,8 @@ void momentum_and_scale(const MuonBucket& b, const MuonStepOptions& o, const std
       const void* grad = grads[mats[j].param];
       float* mom = moms[mats[j].param] + offset;
       float* out = xs + j * n;
-      for (int64_t k = begin; k < end; ++k) {
-        out[k] = muon_ext::muon_momentum(mom[k], load_scalar<G>(grad, offset + k) * inv_scale, mu, nesterov);
-      }
-      partial[j * items + begin / kWorkItem] = sum_of_squares(out + begin, end - begin);
+      partial[j * items + begin / kWorkItem] =
+          momentum_range<G>(grad, mom, out, offset, begin, end, inv_scale, mu, nesterov);
     });
   });
   scale_by_input_norm(xs, count, n, partial);
@@ -620,6 +633,13 @@ __attribute__((always_inline)) inline void normuon_matrix_multipliers(int64_t ro
   for (int64_t i = 0; i < len; ++i) out[i] = out[i] * ratio;
 }
 
+// normuon_matrix_multipliers cloned per instruction set (its sums are fixed
+// chains in double, its per-element math IEEE without contraction: same bits).
+__attribute__((target_clones("avx512f", "avx2", "default"))) void normuon_matrix_multipliers_simd(
+    int64_t rows, int64_t cols, float beta2, const float* xm, float* smb, float* out, double* sums) {
+  normuon_matrix_multipliers(rows, cols, beta2, xm, smb, out, sums);
+}
+
 // NorMuon: the multipliers of `count` contiguous matrices at xs, updating the
 // second-moment state of matrix j at second_moment(j).  mult is [count, stat_length].
 template <typename SecondMoment>
@@ -630,8 +650,8 @@ void normuon_multipliers(int64_t rows, int64_t cols, float beta2, int64_t count,
   at::parallel_for(0, count, 1, [&](int64_t first, int64_t last) {
     std::vector<double> sums(len);
     for (int64_t j = first; j < last; ++j) {
-      normuon_matrix_multipliers(rows, cols, beta2, xs + j * rows * cols, second_moment(j), mult.data() + j * len,
-                                 sums.data());
+      normuon_matrix_multipliers_simd(rows, cols, beta2, xs + j * rows * cols, second_moment(j),
+                                      mult.data() + j * len, sums.data());
     }
   });
 }
@@ -644,35 +664,49 @@ template <ScalarKind P, MasterMode M>
 __attribute__((always_inline)) inline void apply_range(void* param, void* master, const float* x, const float* mult,
                                                        bool per_row, int64_t cols, int64_t offset, int64_t begin,
                                                        int64_t end, float lr, float lr_wd) {
-  static const float kOne = 1.0f;
   for (int64_t row_start = begin - begin % cols; row_start < end; row_start += cols) {
     const int64_t first = std::max(begin, row_start), last = std::min(end, row_start + cols);
     const int64_t row = row_start / cols;
-    // Multiplier of column c is scale[c * stride].
-    const float* scale = mult == nullptr ? &kOne : (per_row ? mult + row : mult);
-    const int64_t stride = (mult == nullptr || per_row) ? 0 : 1;
-    for (int64_t k = first; k < last; ++k) {
-      const float update = x[k] * scale[(k - row_start) * stride];
-      const int64_t i = offset + k;
-      float p;
-      if constexpr (M == MasterMode::kFP32) {
-        p = static_cast<const float*>(master)[i];
-      } else if constexpr (M == MasterMode::kRemainder) {
-        p = merge_master(static_cast<const uint16_t*>(param)[i], static_cast<const int16_t*>(master)[i]);
-      } else {
-        p = load_scalar<P>(param, i);
+    // Two loops, each with a fixed multiplier pattern (one per row, or one
+    // per column read in order), so both vectorize.
+    auto apply_row = [&](auto scale_of) {
+      for (int64_t k = first; k < last; ++k) {
+        const float update = x[k] * scale_of(k - row_start);
+        const int64_t i = offset + k;
+        float p;
+        if constexpr (M == MasterMode::kFP32) {
+          p = static_cast<const float*>(master)[i];
+        } else if constexpr (M == MasterMode::kRemainder) {
+          p = merge_master(static_cast<const uint16_t*>(param)[i], static_cast<const int16_t*>(master)[i]);
+        } else {
+          p = load_scalar<P>(param, i);
+        }
+        p = muon_ext::muon_apply(p, update, lr, lr_wd);
+        if constexpr (M == MasterMode::kRemainder) {
+          const RemainderSplit s = split_master(p);
+          static_cast<uint16_t*>(param)[i] = s.bf16_bits;
+          static_cast<int16_t*>(master)[i] = s.remainder;
+        } else {
+          if constexpr (M == MasterMode::kFP32) static_cast<float*>(master)[i] = p;
+          store_rne<P>(param, i, p);
+        }
       }
-      p = muon_ext::muon_apply(p, update, lr, lr_wd);
-      if constexpr (M == MasterMode::kRemainder) {
-        const RemainderSplit s = split_master(p);
-        static_cast<uint16_t*>(param)[i] = s.bf16_bits;
-        static_cast<int16_t*>(master)[i] = s.remainder;
-      } else {
-        if constexpr (M == MasterMode::kFP32) static_cast<float*>(master)[i] = p;
-        store_rne<P>(param, i, p);
-      }
+    };
+    if (mult != nullptr && !per_row) {
+      apply_row([mult](int64_t c) { return mult[c]; });
+    } else {
+      const float scale = mult == nullptr ? 1.0f : mult[row];
+      apply_row([scale](int64_t) { return scale; });
     }
   }
+}
+
+// apply_range cloned per instruction set (as momentum_range): same bits.
+template <ScalarKind P, MasterMode M>
+__attribute__((target_clones("avx512f", "avx2", "default"))) void apply_range_simd(
+    void* param, void* master, const float* x, const float* mult, bool per_row, int64_t cols, int64_t offset,
+    int64_t begin, int64_t end, float lr, float lr_wd) {
+  apply_range<P, M>(param, master, x, mult, per_row, cols, offset, begin, end, lr, lr_wd);
 }
 
 // Calls fn(std::integral_constant<ScalarKind, P>, std::integral_constant<MasterMode, M>)
@@ -711,8 +745,8 @@ void apply_update(const MuonBucket& b, const std::vector<MatrixRef>& mats, const
     for_each_matrix_range(static_cast<int64_t>(mats.size()), n, [&](int64_t j, int64_t begin, int64_t end) {
       const int64_t p = mats[j].param;
       void* master = masters.empty() ? nullptr : masters[p];
-      apply_range<P, M>(params[p], master, xs + j * n, mult != nullptr ? mult->data() + j * len : nullptr,
-                        per_row, b.cols, mats[j].index * n, begin, end, lr, lr_wd);
+      apply_range_simd<P, M>(params[p], master, xs + j * n, mult != nullptr ? mult->data() + j * len : nullptr,
+                             per_row, b.cols, mats[j].index * n, begin, end, lr, lr_wd);
     });
   });
 }
