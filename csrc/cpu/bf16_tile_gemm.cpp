@@ -1,6 +1,7 @@
 // BF16 GEMMs on oneDNN's batch-reduce micro-kernel; see bf16_tile_gemm.h.
 #include "bf16_tile_gemm.h"
 
+#include <ATen/cpu/Utils.h>
 #include <ATen/native/CPUBlas.h>
 #include <c10/util/BFloat16.h>
 
@@ -126,22 +127,48 @@ __attribute__((target("avx512f,avx512bw"))) void pack_block(const Bf16Matrix& rh
 }
 
 // out rows of one tile: bf16(alpha * acc + beta * addend), FP32 multiplies
-// and add (no fused multiply-add), one round to nearest even per output.
-__attribute__((target("avx512f,avx512bw"))) void write_tile(const float* acc, int64_t h, int64_t w, float alpha,
-                                                           float beta, const uint16_t* addend, int64_t ld_addend,
-                                                           uint16_t* out, int64_t ld_out) {
+// and add (no fused multiply-add), one rounding per output by the CPU's own
+// conversion (VCVTNE2PS2BF16, as oneDNN's epilogues: nearest even, denormals
+// to zero like the AMX sums themselves, NaN kept a NaN), 32 at a time.
+template <bool kAddend>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) inline __m512 tile_values(const float* acc,
+                                                                                const uint16_t* addend,
+                                                                                __m512 alpha_v, __m512 beta_v) {
+  __m512 v = _mm512_mul_ps(alpha_v, _mm512_loadu_ps(acc));
+  if constexpr (kAddend) {
+    const __m256i s = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(addend));
+    v = _mm512_add_ps(v, _mm512_mul_ps(beta_v, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(s), 16))));
+  }
+  return v;
+}
+
+template <bool kAddend>
+__attribute__((target("avx512f,avx512bw,avx512bf16"))) void write_tile_rows(const float* acc, int64_t h, int64_t w,
+                                                                            float alpha, float beta,
+                                                                            const uint16_t* addend, int64_t ld_addend,
+                                                                            uint16_t* out, int64_t ld_out) {
   const __m512 alpha_v = _mm512_set1_ps(alpha), beta_v = _mm512_set1_ps(beta);
   for (int64_t i = 0; i < h; ++i) {
-    for (int64_t j = 0; j < w; j += 16) {
-      __m512 v = _mm512_mul_ps(alpha_v, _mm512_loadu_ps(acc + i * w + j));
-      if (beta != 0.0f) {
-        const __m256i s = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(addend + i * ld_addend + j));
-        const __m512 widened = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(s), 16));
-        v = _mm512_add_ps(v, _mm512_mul_ps(beta_v, widened));
-      }
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i * ld_out + j), round_to_bf16(v));
+    const float* a = acc + i * w;
+    const uint16_t* s = kAddend ? addend + i * ld_addend : nullptr;
+    uint16_t* o = out + i * ld_out;
+    int64_t j = 0;
+    for (; j + 32 <= w; j += 32) {
+      const __m512 low = tile_values<kAddend>(a + j, s + j, alpha_v, beta_v);
+      const __m512 high = tile_values<kAddend>(a + j + 16, s + j + 16, alpha_v, beta_v);
+      _mm512_storeu_si512(o + j, (__m512i)_mm512_cvtne2ps_pbh(high, low));
+    }
+    if (j < w) {  // w is a multiple of 16
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + j),
+                          (__m256i)_mm512_cvtneps_pbh(tile_values<kAddend>(a + j, s + j, alpha_v, beta_v)));
     }
   }
+}
+
+void write_tile(const float* acc, int64_t h, int64_t w, float alpha, float beta, const uint16_t* addend,
+                int64_t ld_addend, uint16_t* out, int64_t ld_out) {
+  if (beta == 0.0f) return write_tile_rows<false>(acc, h, w, alpha, beta, nullptr, 0, out, ld_out);
+  write_tile_rows<true>(acc, h, w, alpha, beta, addend, ld_addend, out, ld_out);
 }
 
 // out(i, j) := out(j, i) for i > j, in blocks (both sides stay in cache).
@@ -159,7 +186,13 @@ void mirror_lower(uint16_t* out, int64_t n, int64_t ld) {
 }  // namespace
 
 bool bf16_tile_gemm_available() {
-  static const bool available = at::native::cpublas::could_pack(at::kBFloat16);
+  // AMX-BF16 (the micro-kernel packs for it) and AVX-512 BF16 (the epilogue's conversion).
+  static const bool available = [] {
+    const auto caps = at::cpu::get_cpu_capabilities();
+    const auto it = caps.find("avx512_bf16");
+    const bool avx512_bf16 = it != caps.end() && it->second.isBool() && it->second.toBool();
+    return avx512_bf16 && at::native::cpublas::could_pack(at::kBFloat16);
+  }();
   // MUON_EXT_CPU_TILE_GEMM=0 turns it off (read per call: for A/B benchmarks and tests).
   const char* setting = std::getenv("MUON_EXT_CPU_TILE_GEMM");
   return available && (setting == nullptr || std::string(setting) != "0");
