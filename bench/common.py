@@ -9,7 +9,7 @@ import sys
 import statistics
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -36,14 +36,48 @@ def time_fn(fn: Callable[[], None], device: torch.device, warmup: int = 3, iters
     return statistics.median(samples)
 
 
+def interleaved_samples(fns: Dict[str, Callable[[], None]], device: torch.device, rounds: int = 5,
+                        iters: int = 5, warmup: int = 0, round_warmup: int = 1,
+                        errors: Optional[Dict[str, str]] = None) -> Dict[str, List[float]]:
+    """Seconds per call of each fn, one sample per round (the median of `iters`
+    calls after `round_warmup` uncounted ones), in interleaved rounds (every
+    contender in turn) so that drift in machine speed (shared hosts, turbo,
+    thermals) hits every contender alike.  `warmup` calls of each fn come first.
+    With `errors` given, a fn that raises is recorded there (name: message) and
+    left out of the later rounds, keeping the samples it had; else it raises."""
+    samples: Dict[str, List[float]] = {name: [] for name in fns}
+    live = dict(fns)
+
+    def call(name, run):
+        if errors is None:
+            return run()
+        try:
+            return run()
+        except Exception as exc:
+            errors[name] = f"{type(exc).__name__}: {exc}"
+            print(f"  {name}: {errors[name]}", flush=True)
+            del live[name]
+            return None
+
+    for name, fn in list(live.items()):
+        call(name, lambda: [fn() for _ in range(warmup)])
+    for _ in range(rounds):
+        for name, fn in list(live.items()):
+            seconds = call(name, lambda: time_fn(fn, device, warmup=round_warmup, iters=iters))
+            if seconds is not None:
+                samples[name].append(seconds)
+    return samples
+
+
+def spread(values: List[float]) -> Dict[str, float]:
+    """Median, min and max of a contender's samples."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "samples": len(values)}
+
+
 def time_interleaved(fns: Dict[str, Callable[[], None]], device: torch.device, rounds: int = 5,
                      iters: int = 5) -> Dict[str, float]:
-    """Median seconds per call of each fn, measured in interleaved rounds so that
-    drift in machine speed (shared hosts, turbo, thermals) hits every contender alike."""
-    samples: Dict[str, List[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            samples[name].append(time_fn(fn, device, warmup=1, iters=iters))
+    """Median seconds per call of each fn over interleaved rounds (interleaved_samples)."""
+    samples = interleaved_samples(fns, device, rounds=rounds, iters=iters)
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
