@@ -95,13 +95,16 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default="bench/results/adamw.json")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="CPU: time by the process's CPU time, not wall time (robust to a loaded host at --threads 1)")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
     args = parser.parse_args()
     device = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    results = {"benchmark": "adamw", "environment": environment(device), "cases": []}
+    clock = "process" if args.cpu_time and device.type == "cpu" else "wall"
+    results = {"benchmark": "adamw", "environment": environment(device), "clock": clock, "cases": []}
     for name, shapes in param_sets(device).items():
         n = numel(shapes)
         yardsticks, copy_bytes = copies(shapes, device)
@@ -112,7 +115,7 @@ def main():
             "ours_fp32": our_step(shapes, device, "fp32"),
             "ours_bf16_remainder": our_step(shapes, device, "bf16_remainder"),
             "ours_bf16_remainder_bf16_grads": our_step(shapes, device, "bf16_remainder", torch.bfloat16),
-        }, device)
+        }, device, clock=clock)
         t_fused, t_foreach = seconds["torch_fused"], seconds["torch_foreach"]
         ours = [k for k in CONTENDER_BYTES if k.startswith("ours")]
         case = {

@@ -112,6 +112,8 @@ def main():
     parser.add_argument("--avx2-host", action="store_true",
                         help="CPU only: cap oneDNN/MKL/ATen at AVX2 (no fast BF16 GEMM), see the module doc")
     parser.add_argument("--rounds", type=int, default=10, help="interleaved rounds (one sample per contender each)")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="CPU: time by the process's CPU time, not wall time (robust to a loaded host at --threads 1)")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
     args = parser.parse_args()
     if args.avx2_host:
@@ -121,7 +123,8 @@ def main():
         torch.set_num_threads(args.threads)
     compile_seed = device.type == "cuda" and not args.skip_compiled_seed
 
-    results = {"benchmark": "muon", "environment": environment(device), "cases": [],
+    clock = "process" if args.cpu_time and device.type == "cpu" else "wall"
+    results = {"benchmark": "muon", "environment": environment(device), "clock": clock, "cases": [],
                "notes": [] if load_seed(False) is not None else ["../shared absent: seed peer skipped"]}
     if device.type == "cuda":
         results["bf16_bmm_flops_per_s"] = gemm_rate(device)
@@ -154,7 +157,8 @@ def main():
         step_errors = {}
         samples = interleaved_samples({k: fn for k, fn in steps.items() if fn is not None}, device,
                                       rounds=args.rounds, iters=1 if device.type == "cpu" else 5,
-                                      warmup=3, round_warmup=0 if device.type == "cpu" else 1, errors=step_errors)
+                                      warmup=3, round_warmup=0 if device.type == "cpu" else 1, errors=step_errors,
+                                      clock=clock)
         errors.update({f"{name}/{k}": v for k, v in step_errors.items()})
         seconds = {k: spread(samples[k])["median"] if samples.get(k) else None for k in steps}
         spreads = {k: spread(v) for k, v in samples.items() if v}

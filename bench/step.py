@@ -149,13 +149,13 @@ class Contender:
         return "error" not in self.result
 
 
-def measure_all(contenders, device, warmup, rounds, iters, one_at_a_time):
+def measure_all(contenders, device, warmup, rounds, iters, one_at_a_time, clock="wall"):
     """Seconds per step (median over interleaved rounds, min, max) and bytes per
     param of every contender; {"error": ...} for one that can't run here."""
     def time_them(built):
         errors = {}
         samples = interleaved_samples({c.name: c.step for c in built if c.ok}, device, rounds=rounds, iters=iters,
-                                      round_warmup=0 if device.type == "cpu" else 1, errors=errors)
+                                      round_warmup=0 if device.type == "cpu" else 1, errors=errors, clock=clock)
         for c in built:
             if c.name in errors:
                 c.fail(RuntimeError(errors[c.name]))
@@ -188,6 +188,8 @@ def main():
     parser.add_argument("--rounds", type=int, default=10, help="interleaved rounds (one sample per contender each)")
     parser.add_argument("--one-at-a-time", action="store_true",
                         help="build, time and free each contender in turn (no interleaving; less memory)")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="CPU: time by the process's CPU time, not wall time (robust to a loaded host at --threads 1)")
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
     args = parser.parse_args()
     if args.avx2_host:
@@ -199,7 +201,8 @@ def main():
     warmup, iters = (3, 5) if on_gpu else (3, 1)  # per round: one step each on the CPU
     seed = load_seed(compiled=on_gpu)
 
-    results = {"benchmark": "step", "environment": environment(device), "cases": [],
+    clock = "process" if args.cpu_time and not on_gpu else "wall"
+    results = {"benchmark": "step", "environment": environment(device), "clock": clock, "cases": [],
                "notes": ["ours = muon_ext.MuonAdamW, BF16 params + int16 remainders (exact FP32 masters)",
                          f"seed: {'torch.compile' if on_gpu else 'eager'}, one Muon group per shape",
                          "torch: torch.optim.Muon (hidden) + torch.optim.AdamW(fused=True) (rest)",
@@ -226,7 +229,7 @@ def main():
         if seed is not None:
             contenders["seed_fp32"] = lambda: build_seed(seed, sets, device, torch.float32)
             contenders["seed_bf16"] = lambda: build_seed(seed, sets, device, torch.bfloat16)
-        measured = measure_all(contenders, device, warmup, args.rounds, iters, args.one_at_a_time)
+        measured = measure_all(contenders, device, warmup, args.rounds, iters, args.one_at_a_time, clock)
         ours = measured["ours_bf16_remainder"].get("seconds")
         case = {"params": set_name, "muon_numel": numel(sets["hidden"]), "adamw_numel": numel(sets["other"]),
                 "tensors": len(sets["hidden"]) + len(sets["other"]), "contenders": measured,
