@@ -12,8 +12,9 @@ moves on that list (28 per element: read p, g, m, v; write p, m, v):
 A copy writes lines it has not read, which the CPU reads first all the same
 (write-allocate), while AdamW's writes go to lines it has just read: per
 credited byte the copy moves more, so a fraction near or above 1 is possible.
-Prints one line per case and contender (time, ratio to torch fused, fraction of
-each copy's bytes/s) and writes the JSON.
+Prints one line per case and contender (median time with the min..max over the
+rounds, ratio of medians to torch fused, fraction of each copy's bytes/s) and
+writes the JSON.
 Usage: python bench/adamw.py [--device cuda] [--out results.json]
 """
 
@@ -23,7 +24,7 @@ import argparse
 
 import torch
 
-from common import environment, gpt_shapes, numel, time_interleaved, write_json
+from common import environment, gpt_shapes, interleaved_samples, numel, spread, write_json
 from muon_ext import ops
 
 # Bytes moved per element by each contender (reads + writes).
@@ -95,26 +96,35 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", default="bench/results/adamw.json")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="CPU: time by the process's CPU time, not wall time (robust to a loaded host at --threads 1)")
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
     args = parser.parse_args()
     device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
-    results = {"benchmark": "adamw", "environment": environment(device), "cases": []}
+    clock = "process" if args.cpu_time and device.type == "cpu" else "wall"
+    results = {"benchmark": "adamw", "environment": environment(device), "clock": clock, "cases": []}
     for name, shapes in param_sets(device).items():
         n = numel(shapes)
         yardsticks, copy_bytes = copies(shapes, device)
-        seconds = time_interleaved({
+        samples = interleaved_samples({
             **yardsticks,  # the bandwidth references, in the same rounds
             "torch_fused": torch_step(shapes, device, fused=True),
             "torch_foreach": torch_step(shapes, device, foreach=True),
             "ours_fp32": our_step(shapes, device, "fp32"),
             "ours_bf16_remainder": our_step(shapes, device, "bf16_remainder"),
             "ours_bf16_remainder_bf16_grads": our_step(shapes, device, "bf16_remainder", torch.bfloat16),
-        }, device)
+        }, device, clock=clock)
+        spreads = {k: spread(v) for k, v in samples.items()}
+        seconds = {k: v["median"] for k, v in spreads.items()}
         t_fused, t_foreach = seconds["torch_fused"], seconds["torch_foreach"]
         ours = [k for k in CONTENDER_BYTES if k.startswith("ours")]
         case = {
             "params": name, "numel": n, "tensors": len(shapes),
             "seconds": seconds,
+            "seconds_spread": spreads,
             "params_per_s": {k: n / seconds[k] for k in CONTENDER_BYTES},
             "speedup_vs_torch_fused": {k: t_fused / seconds[k] for k in ours},
             "speedup_vs_torch_foreach": {"ours_fp32": t_foreach / seconds["ours_fp32"]},
@@ -132,14 +142,15 @@ def main():
 
 
 def print_case(case):
-    """One line per contender: time, ratio to torch fused, fraction of each copy's bytes/s."""
+    """One line per contender: median time (min..max), ratio to torch fused, fraction of each copy's bytes/s."""
     seconds, fraction = case["seconds"], case["fraction_of_copy_bandwidth"]
     print(f"{case['params']} ({case['numel']} elements, {case['tensors']} tensors): "
           + ", ".join(f"{k} {case['copy_bytes_per_s'][k] / 1e9:.1f} GB/s ({seconds[k] * 1e3:.3f} ms)"
                       for k in fraction))
     for k in CONTENDER_BYTES:
         speedup = seconds["torch_fused"] / seconds[k]
-        print(f"  {k:32s} {seconds[k] * 1e3:8.3f} ms  {speedup:5.2f}x torch fused  "
+        low, high = case["seconds_spread"][k]["min"], case["seconds_spread"][k]["max"]
+        print(f"  {k:32s} {seconds[k] * 1e3:8.3f} ms ({low * 1e3:.3f}..{high * 1e3:.3f})  {speedup:5.2f}x torch fused  "
               + "  ".join(f"{fraction[c][k]:.2f} of {c}" for c in fraction))
     print(f"  targets: {case['targets']}")
 

@@ -9,13 +9,16 @@ import sys
 import statistics
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
 
-def time_fn(fn: Callable[[], None], device: torch.device, warmup: int = 3, iters: int = 20) -> float:
-    """Median seconds per call of `fn` (CUDA events on GPU, perf_counter on CPU)."""
+def time_fn(fn: Callable[[], None], device: torch.device, warmup: int = 3, iters: int = 20,
+            clock: str = "wall") -> float:
+    """Median seconds per call of `fn` (CUDA events on GPU; on CPU perf_counter, or
+    with clock="process" the process's CPU time, all threads together: at one
+    thread it does not count the time the host ran other work)."""
     for _ in range(warmup):
         fn()
     samples = []
@@ -29,21 +32,57 @@ def time_fn(fn: Callable[[], None], device: torch.device, warmup: int = 3, iters
             end.synchronize()
             samples.append(start.elapsed_time(end) / 1e3)
     else:
+        now = time.process_time if clock == "process" else time.perf_counter
         for _ in range(iters):
-            t0 = time.perf_counter()
+            t0 = now()
             fn()
-            samples.append(time.perf_counter() - t0)
+            samples.append(now() - t0)
     return statistics.median(samples)
 
 
-def time_interleaved(fns: Dict[str, Callable[[], None]], device: torch.device, rounds: int = 5,
-                     iters: int = 5) -> Dict[str, float]:
-    """Median seconds per call of each fn, measured in interleaved rounds so that
-    drift in machine speed (shared hosts, turbo, thermals) hits every contender alike."""
+def interleaved_samples(fns: Dict[str, Callable[[], None]], device: torch.device, rounds: int = 5,
+                        iters: int = 5, warmup: int = 0, round_warmup: int = 1,
+                        errors: Optional[Dict[str, str]] = None, clock: str = "wall") -> Dict[str, List[float]]:
+    """Seconds per call of each fn, one sample per round (the median of `iters`
+    calls after `round_warmup` uncounted ones), in interleaved rounds (every
+    contender in turn) so that drift in machine speed (shared hosts, turbo,
+    thermals) hits every contender alike.  `warmup` calls of each fn come first.
+    With `errors` given, a fn that raises is recorded there (name: message) and
+    left out of the later rounds, keeping the samples it had; else it raises.
+    `clock`: see time_fn."""
     samples: Dict[str, List[float]] = {name: [] for name in fns}
+    live = dict(fns)
+
+    def call(name, run):
+        if errors is None:
+            return run()
+        try:
+            return run()
+        except Exception as exc:
+            errors[name] = f"{type(exc).__name__}: {exc}"
+            print(f"  {name}: {errors[name]}", flush=True)
+            del live[name]
+            return None
+
+    for name, fn in list(live.items()):
+        call(name, lambda: [fn() for _ in range(warmup)])
     for _ in range(rounds):
-        for name, fn in fns.items():
-            samples[name].append(time_fn(fn, device, warmup=1, iters=iters))
+        for name, fn in list(live.items()):
+            seconds = call(name, lambda: time_fn(fn, device, warmup=round_warmup, iters=iters, clock=clock))
+            if seconds is not None:
+                samples[name].append(seconds)
+    return samples
+
+
+def spread(values: List[float]) -> Dict[str, float]:
+    """Median, min and max of a contender's samples."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "samples": len(values)}
+
+
+def time_interleaved(fns: Dict[str, Callable[[], None]], device: torch.device, rounds: int = 5,
+                     iters: int = 5, clock: str = "wall") -> Dict[str, float]:
+    """Median seconds per call of each fn over interleaved rounds (interleaved_samples)."""
+    samples = interleaved_samples(fns, device, rounds=rounds, iters=iters, clock=clock)
     return {name: statistics.median(values) for name, values in samples.items()}
 
 

@@ -1,9 +1,12 @@
 """Benchmark: muon_ext's Muon step against the seed's MuonAdamW and torch.optim.Muon.
 
-Every contender updates the same stack of same-shape matrices in one process.
-Reports seconds per step and ratios; on GPU also the Polar-Express FLOP rate
-against a plain batched BF16 GEMM measured in the same run.
-Usage: python bench/muon.py [--device cuda] [--out results.json] [--avx2-host]
+Every contender updates the same stack of same-shape matrices in one process,
+in interleaved rounds (one step of every contender in turn, after each one's own
+warm-up steps), so a change in host load between contenders hits them alike.
+Reports seconds per step (median over the rounds, with min and max) and ratios
+of medians; on GPU also the Polar-Express FLOP rate against a plain batched
+BF16 GEMM measured in the same run.
+Usage: python bench/muon.py [--device cuda] [--out results.json] [--avx2-host] [--rounds N]
 
 On the CPU, compare `environment.gemm_flops_per_s`: torch.optim.Muon and the seed
 orthogonalize with BF16 matmuls, ours with FP32 ones, so the ratio depends on
@@ -20,7 +23,7 @@ import argparse
 
 import torch
 
-from common import environment, gpt_shapes, reexec_as_avx2_host, time_fn, write_json
+from common import environment, gpt_shapes, interleaved_samples, reexec_as_avx2_host, spread, time_fn, write_json
 from muon_ext import ops
 from peers import load_seed
 
@@ -47,7 +50,8 @@ def by_shape(shapes):
     return list(groups.values())
 
 
-def bench_ours(shapes, device, mode, row_blocks=None):
+def ours_step(shapes, device, mode, row_blocks=None):
+    """One ops.muon_step per same-shape bucket over fresh params (FP32, or BF16 + int16 remainders)."""
     buckets = []
     gen = torch.Generator(device=device).manual_seed(0)
     for group in by_shape(shapes):
@@ -66,7 +70,7 @@ def bench_ours(shapes, device, mode, row_blocks=None):
         for params, grads, moms, smbs, extra in buckets:
             ops.muon_step(params, grads, moms, smbs, masters=extra, lr=lr, polar_row_blocks=row_blocks)
 
-    return time_fn(step, device, warmup=2, iters=10)
+    return step
 
 
 def make_params(shapes, device, dtype=torch.float32):
@@ -77,22 +81,21 @@ def make_params(shapes, device, dtype=torch.float32):
     return params
 
 
-def bench_seed(shapes, device, compiled):
+def seed_step(shapes, device, compiled):
+    """The seed's MuonAdamW step, one Muon group per shape; None where ../shared is absent."""
     module = load_seed(compiled)
     if module is None:
         return None
     groups = [{"params": make_params(g, device), "kind": "muon", "lr": 0.02, "momentum": 0.95,
                "weight_decay": 0.1, "beta2": 0.95, "ns_steps": 5} for g in by_shape(shapes)]
-    opt = module.MuonAdamW(groups)
-    return time_fn(opt.step, device, warmup=3, iters=10)
+    return module.MuonAdamW(groups).step
 
 
-def bench_torch_muon(shapes, device):
+def torch_muon_step(shapes, device):
+    """torch.optim.Muon's step; None where this torch has none."""
     if not hasattr(torch.optim, "Muon"):
         return None
-    opt = torch.optim.Muon(make_params(shapes, device), lr=0.02, weight_decay=0.1)
-    iters = 3 if device.type == "cpu" else 10
-    return time_fn(opt.step, device, warmup=1, iters=iters)
+    return torch.optim.Muon(make_params(shapes, device), lr=0.02, weight_decay=0.1).step
 
 
 def gemm_rate(device, b=8, n=4096):
@@ -108,49 +111,69 @@ def main():
     parser.add_argument("--skip-compiled-seed", action="store_true", help="skip torch.compile of the seed (slow on CPU)")
     parser.add_argument("--avx2-host", action="store_true",
                         help="CPU only: cap oneDNN/MKL/ATen at AVX2 (no fast BF16 GEMM), see the module doc")
+    parser.add_argument("--rounds", type=int, default=10, help="interleaved rounds (one sample per contender each)")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="CPU: time by the process's CPU time, not wall time (robust to a loaded host at --threads 1)")
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's)")
     args = parser.parse_args()
     if args.avx2_host:
         reexec_as_avx2_host()
     device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     compile_seed = device.type == "cuda" and not args.skip_compiled_seed
 
-    results = {"benchmark": "muon", "environment": environment(device), "cases": [],
+    clock = "process" if args.cpu_time and device.type == "cpu" else "wall"
+    results = {"benchmark": "muon", "environment": environment(device), "clock": clock, "cases": [],
                "notes": [] if load_seed(False) is not None else ["../shared absent: seed peer skipped"]}
     if device.type == "cuda":
         results["bf16_bmm_flops_per_s"] = gemm_rate(device)
     errors = results.setdefault("errors", {})
 
-    def guarded(key, run):
-        """A contender's seconds, or None (its error recorded and printed) where it fails."""
+    def guarded(key, build):
+        """A contender's step function, or None (its error recorded and printed) where it can't be built."""
         try:
-            return run()
+            return build()
         except Exception as exc:
             errors[key] = f"{type(exc).__name__}: {exc}"
             print(f"  {key}: {errors[key]}", flush=True)
             return None
 
     for name, shapes in stacks(device).items():
-        seconds = {"ours_fp32": guarded(f"{name}/ours_fp32", lambda: bench_ours(shapes, device, "fp32")),
-                   "ours_bf16_remainder": guarded(f"{name}/ours_bf16_remainder",
-                                                  lambda: bench_ours(shapes, device, "bf16_remainder")),
-                   "seed_eager": guarded(f"{name}/seed_eager", lambda: bench_seed(shapes, device, compiled=False)),
-                   "seed_compiled": guarded(f"{name}/seed_compiled",
-                                            lambda: bench_seed(shapes, device, compiled=True)) if compile_seed else None,
-                   "torch_muon": guarded(f"{name}/torch_muon", lambda: bench_torch_muon(shapes, device))}
+        builders = {"ours_fp32": lambda: ours_step(shapes, device, "fp32"),
+                    "ours_bf16_remainder": lambda: ours_step(shapes, device, "bf16_remainder"),
+                    "seed_eager": lambda: seed_step(shapes, device, compiled=False),
+                    "seed_compiled": (lambda: seed_step(shapes, device, compiled=True)) if compile_seed else None,
+                    "torch_muon": lambda: torch_muon_step(shapes, device)}
         # Block-triangular X X^T and A A (polar_row_blocks): plain GEMMs on the CPU
         # for comparison with its default, block counts to choose from on GPU.
         for blocks in ((2, 4, 8) if device.type == "cuda" else (1,)):
-            key = f"ours_bf16_remainder_row_blocks_{blocks}"
-            seconds[key] = guarded(f"{name}/{key}", lambda: bench_ours(shapes, device, "bf16_remainder", blocks))
+            builders[f"ours_bf16_remainder_row_blocks_{blocks}"] = (
+                lambda blocks=blocks: ours_step(shapes, device, "bf16_remainder", blocks))
+        steps = {key: guarded(f"{name}/{key}", build) if build is not None else None for key, build in builders.items()}
+        # Each contender keeps its own params and state; warm-up steps first (the
+        # seed's compilation, the thread pool, lazily made state), then `rounds`
+        # rounds of one timed step of each in turn.
+        step_errors = {}
+        samples = interleaved_samples({k: fn for k, fn in steps.items() if fn is not None}, device,
+                                      rounds=args.rounds, iters=1 if device.type == "cpu" else 5,
+                                      warmup=3, round_warmup=0 if device.type == "cpu" else 1, errors=step_errors,
+                                      clock=clock)
+        errors.update({f"{name}/{k}": v for k, v in step_errors.items()})
+        seconds = {k: spread(samples[k])["median"] if samples.get(k) else None for k in steps}
+        spreads = {k: spread(v) for k, v in samples.items() if v}
+        print_stack(name, spreads)
         if seconds["ours_fp32"] is None or seconds["ours_bf16_remainder"] is None:
-            results["cases"].append({"stack": name, "matrices": len(shapes), "seconds": seconds})
+            results["cases"].append({"stack": name, "matrices": len(shapes), "seconds": seconds,
+                                     "seconds_spread": spreads})
             write_json(args.out, results)
             continue
-        case = {"stack": name, "matrices": len(shapes), "seconds": seconds,
+        case = {"stack": name, "matrices": len(shapes), "seconds": seconds, "seconds_spread": spreads,
                 "speedup": {f"ours_fp32_vs_{k}": v / seconds["ours_fp32"]
                             for k, v in seconds.items() if v is not None and not k.startswith("ours")}}
         case["speedup"].update({f"ours_bf16_remainder_vs_{k}": v / seconds["ours_bf16_remainder"]
-                                for k, v in seconds.items() if "row_blocks" in k and v is not None})
+                                for k, v in seconds.items()
+                                if v is not None and ("row_blocks" in k or not k.startswith("ours"))})
         flops = polar_express_flops(shapes)
         case["polar_express_flops_per_s"] = {k: flops / v for k, v in seconds.items() if v is not None}
         achieved = flops / seconds["ours_bf16_remainder"]
@@ -164,6 +187,18 @@ def main():
         results["cases"].append(case)
         write_json(args.out, results)  # after every stack: a stage cut short still reports what it measured
     write_json(args.out, results)
+    for case in results["cases"]:  # the summary after the JSON, where a terminal shows it
+        print_stack(case["stack"], case["seconds_spread"], case.get("speedup", {}))
+
+
+def print_stack(name, spreads, speedup=None):
+    """One line per contender: median ms per step and the min..max over the rounds; then the ratios."""
+    print(f"{name}:", flush=True)
+    for k, s in spreads.items():
+        print(f"  {k:40s} {s['median'] * 1e3:9.2f} ms  ({s['min'] * 1e3:.2f}..{s['max'] * 1e3:.2f}, "
+              f"{s['samples']} rounds)", flush=True)
+    for k, v in (speedup or {}).items():
+        print(f"  {k}: {v:.2f}x", flush=True)
 
 
 if __name__ == "__main__":
