@@ -139,6 +139,7 @@ def environment(device: torch.device) -> dict:
         env["gemm_flops_per_s"] = cpu_gemm_rates()
         from muon_ext import ops  # how BF16 Polar-Express multiplies here: "native" or "rounded"
         env["muon_ext_cpu_bf16_gemm"] = ops.cpu_bf16_gemm()
+        env["muon_ext_cpu_bf16_tile_gemm"] = ops.cpu_bf16_tile_gemm()
     return env
 
 

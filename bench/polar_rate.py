@@ -22,6 +22,11 @@ without a BF16 / FP16 GEMM):
 median and min..max seconds of each, and `gram_speedup` = standard / gram
 median (>1: Gram is faster); the figures behind polar_method="auto"'s rule.
 
+Where ops.cpu_bf16_tile_gemm() (AMX: the native path on oneDNN's micro-kernel)
+and both sides are multiples of 16, `ours_bfloat16_addmm` is the same path
+with the tiles off (MUON_EXT_CPU_TILE_GEMM=0: at::addmm_out), interleaved
+with the rest, against the same BF16 probe.
+
 Small-matrix stacks (many tiny matrices in one batch-view param) report a full
 muon_step (BF16 params + remainders, NorMuon) in microseconds per matrix and
 against `state_copy`: one copy_ of every state tensor the step reads or writes
@@ -38,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -94,10 +100,15 @@ def polar_case(shapes: List[tuple], rounds: int, iters: int) -> dict:
     updates = torch.randn(count, rows, cols, generator=gen)
     work = updates.clone()
 
-    def ours(polar_dtype):
+    def ours(polar_dtype, tiles=True):
         def run():
             work.copy_(updates)
-            ops.muon_orthogonalize([work], beta2=None, polar_dtype=polar_dtype)
+            if not tiles:  # the at::addmm_out path the AMX tiles replace (read at every call)
+                os.environ["MUON_EXT_CPU_TILE_GEMM"] = "0"
+            try:
+                ops.muon_orthogonalize([work], beta2=None, polar_dtype=polar_dtype)
+            finally:
+                os.environ.pop("MUON_EXT_CPU_TILE_GEMM", None)
         return run
 
     side, length = min(rows, cols), max(rows, cols)
@@ -123,9 +134,14 @@ def polar_case(shapes: List[tuple], rounds: int, iters: int) -> dict:
                   "gemm_probe": gemm_probe(torch.float32)}
     if native:
         contenders["gemm_probe_bfloat16"] = gemm_probe(torch.bfloat16)
+    tiles = ops.cpu_bf16_tile_gemm() and side % 16 == 0 and length % 16 == 0
+    if tiles:
+        contenders["ours_bfloat16_addmm"] = ours("bfloat16", tiles=False)
     times = interleaved(contenders, rounds, iters)
     flops = 5 * count * (4 * side * side * length + 2 * side ** 3)
     yardstick = {"ours_float32": "gemm_probe", "ours_bfloat16": "gemm_probe_bfloat16" if native else "gemm_probe"}
+    if tiles:
+        yardstick["ours_bfloat16_addmm"] = "gemm_probe_bfloat16"
     return {"shape": [rows, cols], "matrices": count, "flops": flops, "seconds": times,
             "gemm_probe_flops_per_s": {k: flops / times[k]["wall_median"] for k in times if k.startswith("gemm_probe")},
             "fraction_against": yardstick,
@@ -222,7 +238,8 @@ def main():
     args = parser.parse_args()
     wanted = set(args.stacks.split(","))
     results = {"benchmark": "polar_rate", "environment": environment(torch.device("cpu")),
-               "cpu_bf16_gemm": ops.cpu_bf16_gemm(), "cases": []}
+               "cpu_bf16_gemm": ops.cpu_bf16_gemm(), "cpu_bf16_tile_gemm": ops.cpu_bf16_tile_gemm(),
+               "cases": []}
     for threads in [int(t) for t in args.threads.split(",")]:
         torch.set_num_threads(threads)
         if "gram" in wanted:

@@ -72,37 +72,8 @@ __attribute__((target("avx512f,avx512bw"), always_inline)) inline __m256i round_
   return _mm512_cvtepi32_epi16(r);
 }
 
-// The kernel's layout of a [k, w] block of the right operand (w columns from
-// `col`, w a multiple of 16): for each pair of rows (2p, 2p + 1), the w column
-// pairs side by side, [k / 2][w][2] (at::native::cpublas::pack's layout;
-// tests/python/test_polar_tiles.py checks the products). Only AMX CPUs run
-// it, and they all have AVX-512 BW.
-__attribute__((target("avx512f,avx512bw"))) void pack_block(const Bf16Matrix& rhs, int64_t k, int64_t col,
-                                                           int64_t w, uint16_t* dst) {
-  if (!rhs.transposed) {
-    // Interleave rows 2p and 2p + 1, 32 columns at a time.
-    alignas(64) static const uint16_t kLow[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
-                                                  8,  40, 9,  41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
-    alignas(64) static const uint16_t kHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
-                                                   24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
-    const __m512i low = _mm512_load_si512(kLow), high = _mm512_load_si512(kHigh);
-    for (int64_t p = 0; p < k / 2; ++p) {
-      const uint16_t* row0 = rhs.data + (2 * p) * rhs.ld + col;
-      const uint16_t* row1 = row0 + rhs.ld;
-      uint16_t* d = dst + p * w * 2;
-      int64_t c = 0;
-      for (; c + 32 <= w; c += 32) {
-        const __m512i a = _mm512_loadu_si512(row0 + c), b = _mm512_loadu_si512(row1 + c);
-        _mm512_storeu_si512(d + 2 * c, _mm512_permutex2var_epi16(a, low, b));
-        _mm512_storeu_si512(d + 2 * c + 32, _mm512_permutex2var_epi16(a, high, b));
-      }
-      for (; c < w; ++c) {
-        d[2 * c] = row0[c];
-        d[2 * c + 1] = row1[c];
-      }
-    }
-    return;
-  }
+__attribute__((target("avx512f,avx512bw"))) void pack_transposed_block(const Bf16Matrix& rhs, int64_t k,
+                                                                      int64_t col, int64_t w, uint16_t* dst) {
   // Transposed: element (r, c) at data[c * ld + r], so the pair (2p, 2p + 1)
   // of column c is the 32-bit word p of stored row c: a transpose of 32-bit
   // words, 16 x 16 at a time in registers.
@@ -123,6 +94,47 @@ __attribute__((target("avx512f,avx512bw"))) void pack_block(const Bf16Matrix& rh
         std::memcpy(dst + (p0 * w + c0 + c) * 2, &v, sizeof(v));
       }
     }
+  }
+}
+
+// The kernel's layout of a [k, w] block of the right operand (w columns from
+// `col`, w a multiple of 16): for each pair of rows (2p, 2p + 1), the w column
+// pairs side by side, [k / 2][w][2] (at::native::cpublas::pack's layout;
+// tests/python/test_polar_tiles.py checks the products). A chunk of columns
+// is blocks of kTileCols (the last narrower) back to back, block c (its first
+// column) at dst + c * k. Only AMX CPUs run this, and they all have AVX-512 BW.
+__attribute__((target("avx512f,avx512bw"))) void pack_chunk(const Bf16Matrix& rhs, int64_t k, int64_t col,
+                                                           int64_t chunk, uint16_t* dst) {
+  if (!rhs.transposed) {
+    // Interleave rows 2p and 2p + 1, 32 columns at a time, each row pair read
+    // once across the whole chunk (in order: the prefetchers follow it).
+    alignas(64) static const uint16_t kLow[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,  37, 6,  38, 7,  39,
+                                                  8,  40, 9,  41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    alignas(64) static const uint16_t kHigh[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                   24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+    const __m512i low = _mm512_load_si512(kLow), high = _mm512_load_si512(kHigh);
+    for (int64_t p = 0; p < k / 2; ++p) {
+      const uint16_t* row0 = rhs.data + (2 * p) * rhs.ld + col;
+      const uint16_t* row1 = row0 + rhs.ld;
+      for (int64_t b = 0; b < chunk; b += kTileCols) {
+        const int64_t w = std::min(kTileCols, chunk - b);
+        uint16_t* d = dst + b * k + p * w * 2;
+        int64_t c = 0;
+        for (; c + 32 <= w; c += 32) {
+          const __m512i x0 = _mm512_loadu_si512(row0 + b + c), x1 = _mm512_loadu_si512(row1 + b + c);
+          _mm512_storeu_si512(d + 2 * c, _mm512_permutex2var_epi16(x0, low, x1));
+          _mm512_storeu_si512(d + 2 * c + 32, _mm512_permutex2var_epi16(x0, high, x1));
+        }
+        for (; c < w; ++c) {
+          d[2 * c] = row0[b + c];
+          d[2 * c + 1] = row1[b + c];
+        }
+      }
+    }
+    return;
+  }
+  for (int64_t b = 0; b < chunk; b += kTileCols) {
+    pack_transposed_block(rhs, k, col + b, std::min(kTileCols, chunk - b), dst + b * k);
   }
 }
 
@@ -214,9 +226,7 @@ void bf16_tile_gemm(int64_t m, int64_t n, int64_t k, float alpha, const uint16_t
   const auto* a = reinterpret_cast<const c10::BFloat16*>(lhs);
   for (int64_t n0 = 0; n0 < n; n0 += chunk_cols) {
     const int64_t chunk = std::min(chunk_cols, n - n0);
-    for (int64_t c = 0; c < chunk; c += kTileCols) {
-      pack_block(rhs, k, n0 + c, std::min(kTileCols, chunk - c), packed.data() + c * k);
-    }
+    pack_chunk(rhs, k, n0, chunk, packed.data());
     for (int64_t m0 = 0; m0 < m; m0 += tile_rows) {
       const int64_t h = std::min(tile_rows, m - m0);
       for (int64_t c = 0; c < chunk; c += kTileCols) {
