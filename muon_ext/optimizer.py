@@ -400,14 +400,16 @@ class MuonAdamW(torch.optim.Optimizer):
             return checkpoint.check_state_dict(self.param_groups, self._states, state_dict)
 
         params = [info.param for info in self._states.infos.values()]
+        meshes = agreement.meshes_of(params)
         # DTensor params: every rank loads, or none (and with the same settings).
         checked = agreement.agree_over_params("load_state_dict", params, checks,
-                                              lambda checked: checked.merged_groups, len(self.param_groups))
+                                              lambda checked: checked.merged_groups, len(self.param_groups),
+                                              meshes=meshes)
         checkpoint.apply_state_dict(self.param_groups, self._states, checked, capturable=self.capturable)
         self._runner.adopt(self.param_groups)  # staged: entries the load created go into the slabs
         self._planner.invalidate()
         for hook in self._optimizer_load_state_dict_post_hooks.values():
             hook(self)
         device = agreement.device_of(params)
-        self._states.raise_writer_failures("load_state_dict", [(mesh, device) for mesh in agreement.meshes_of(params)])
+        self._states.raise_writer_failures("load_state_dict", [(mesh, device) for mesh in meshes])
 

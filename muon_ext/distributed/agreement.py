@@ -157,10 +157,11 @@ def device_of(params) -> torch.device:
 
 
 def agree_over_params(what: str, params, checks: Callable[[], T], groups_of: Callable[[T], Sequence[dict]],
-                      group_count: int, first_group: int = 0) -> T:
-    """`agree` over the meshes of the DTensor params among `params`; where
-    there are none, no rank waits for another: just `checks()`."""
-    meshes = meshes_of(params)
+                      group_count: int, first_group: int = 0, meshes=None) -> T:
+    """`agree` over the meshes of the DTensor params among `params` (or the
+    given `meshes_of(params)`); where there are none, no rank waits for
+    another: just `checks()`."""
+    meshes = meshes_of(params) if meshes is None else meshes
     if not meshes:
         return checks()
     return agree(what, meshes, device_of(params), checks, groups_of, group_count, first_group)
