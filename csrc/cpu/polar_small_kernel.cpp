@@ -6,7 +6,7 @@
 #include <cstring>
 #include <type_traits>
 
-#if defined(__AVX512F__) || defined(__FMA__)
+#if defined(__AVX__)
 #include <immintrin.h>
 #endif
 
@@ -347,11 +347,35 @@ __attribute__((always_inline)) inline LaneDoubles lane_sum_of_squares(const Lane
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }
 
+// muon_math.h's operations on lanes, in this build's instruction set: IEEE
+// square roots and comparisons, so every lane gets the scalar rule's bits.
+struct LaneMath {
+  __attribute__((always_inline)) static Lanes sqrt(Lanes x) {
+#if defined(__AVX512F__)
+    return (Lanes)_mm512_sqrt_ps((__m512)x);
+#elif defined(__AVX__)
+    __m256 halves[2];
+    std::memcpy(halves, &x, sizeof(halves));
+    for (__m256& h : halves) h = _mm256_sqrt_ps(h);
+    std::memcpy(&x, halves, sizeof(x));
+    return x;
+#else
+    for (int l = 0; l < kLanes; ++l) x[l] = __builtin_sqrtf(x[l]);
+    return x;
+#endif
+  }
+  // x > floor ? x : floor per lane (floor for NaN).
+  __attribute__((always_inline)) static Lanes at_least(Lanes x, float floor) {
+    const LaneBits above = (LaneBits)(x > splat(floor));
+    return from_bits((to_bits(x) & above) | (to_bits(splat(floor)) & ~above));
+  }
+};
+
 // NorMuon on a group in lanes, then x times each lane's multipliers:
 // muon_cpu.cpp's normuon_matrix_multipliers and fold, lane by lane, the
 // per-element rules from csrc/common/muon_math.h. Lane m's second moments are
-// at second_moments[m] (members lanes). Scratch: sums [len] doubles, vm and
-// mult [len] Lanes.
+// at second_moments[m] (members lanes). Scratch: sums [len] doubles (then
+// the second moments in lanes), vm and mult [len] Lanes.
 __attribute__((always_inline)) inline void lane_normuon(Lanes* x, int64_t rows, int64_t cols, int64_t members,
                                                         float* const* second_moments, float beta2,
                                                         LaneDoubles* sums, Lanes* vm, Lanes* mult) {
@@ -369,24 +393,27 @@ __attribute__((always_inline)) inline void lane_normuon(Lanes* x, int64_t rows, 
     }
   }
   const Lanes reduced = splat(float(red));
+  for (int64_t i = 0; i < len; ++i) vm[i] = __builtin_convertvector(sums[i], Lanes) / reduced;  // normuon_mean_square
+  // The second moments into lanes (where the spent sums were; zeros in lanes
+  // without a matrix, never read back), updated, and back.
+  Lanes* smb = reinterpret_cast<Lanes*>(sums);
+  for (int64_t i = 0; i < len; ++i) smb[i] = splat(0.0f);
+  for (int64_t m = 0; m < members; ++m) {
+    for (int64_t i = 0; i < len; ++i) smb[i][m] = second_moments[m][i];
+  }
   for (int64_t i = 0; i < len; ++i) {
-    vm[i] = __builtin_convertvector(sums[i], Lanes) / reduced;  // normuon_mean_square
-    mult[i] = splat(1.0f);                                      // lanes without a matrix
+    smb[i] = lerp_of(smb[i], vm[i], 1.0f - beta2);
+    mult[i] = normuon_step_size_of<Lanes, LaneMath>(smb[i]);
   }
   for (int64_t m = 0; m < members; ++m) {
-    float* smb = second_moments[m];
-    for (int64_t i = 0; i < len; ++i) {
-      smb[i] = lerp(smb[i], vm[i][m], 1.0f - beta2);
-      mult[i][m] = normuon_step_size(smb[i]);
-    }
+    for (int64_t i = 0; i < len; ++i) second_moments[m][i] = smb[i][m];
   }
   Lanes sum_vm = splat(0.0f), sum_scaled = splat(0.0f);
   for (int64_t i = 0; i < len; ++i) {
     sum_vm = sum_vm + vm[i];
     sum_scaled = sum_scaled + ((vm[i] * reduced) * mult[i]) * mult[i];
   }
-  Lanes ratio = splat(1.0f);
-  for (int64_t m = 0; m < members; ++m) ratio[m] = normuon_norm_ratio(sum_vm[m], sum_scaled[m], red);
+  const Lanes ratio = normuon_norm_ratio_of<Lanes, LaneMath>(sum_vm, sum_scaled, red);
   for (int64_t i = 0; i < len; ++i) mult[i] = mult[i] * ratio;
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = 0; c < cols; ++c) x[r * cols + c] = x[r * cols + c] * mult[per_row ? r : c];
