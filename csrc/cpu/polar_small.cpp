@@ -20,7 +20,7 @@ namespace {
 // The kernel of the best instruction set built in and allowed here (ATen's
 // CPU capability, which ATEN_CPU_CAPABILITY caps).
 using GroupsKernel = void (*)(float*, const float*, int64_t, int64_t, int64_t, const float*, int64_t, PolarRounding,
-                              bool, const SmallNorMuon*, float*);
+                              bool, const SmallNorMuon*, const SmallPrefetch*, float*);
 
 GroupsKernel groups_kernel() {
   static const GroupsKernel kernel = [] {
@@ -48,9 +48,9 @@ int64_t polar_small_scratch_floats(int64_t rows, int64_t cols, bool gram, bool n
 
 void polar_express_small_matrices(float* xs, const float* input_scales, int64_t count, int64_t rows, int64_t cols,
                                   const float* abc, int64_t steps, PolarRounding rounding, bool gram,
-                                  const SmallNorMuon* normuon, float* scratch) {
+                                  const SmallNorMuon* normuon, const SmallPrefetch* prefetch, float* scratch) {
   TORCH_INTERNAL_ASSERT(reinterpret_cast<uintptr_t>(scratch) % 64 == 0);
-  groups_kernel()(xs, input_scales, count, rows, cols, abc, steps, rounding, gram, normuon, scratch);
+  groups_kernel()(xs, input_scales, count, rows, cols, abc, steps, rounding, gram, normuon, prefetch, scratch);
 }
 
 PolarSmallScratch::PolarSmallScratch(int64_t floats)
@@ -70,7 +70,8 @@ void polar_express_small(float* xs, int64_t count, int64_t rows, int64_t cols,
     PolarSmallScratch scratch(polar_small_scratch_floats(rows, cols, gram, false));
     const int64_t begin = first * kPolarSmallLanes, end = std::min(count, last * kPolarSmallLanes);
     polar_express_small_matrices(xs + begin * n, nullptr, end - begin, rows, cols, abc.data(),
-                                 static_cast<int64_t>(coefficients.size()), rounding, gram, nullptr, scratch.data());
+                                 static_cast<int64_t>(coefficients.size()), rounding, gram, nullptr, nullptr,
+                                 scratch.data());
   });
 }
 

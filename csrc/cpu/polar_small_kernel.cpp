@@ -244,6 +244,32 @@ __attribute__((always_inline)) inline void multiply_x(Lanes* x, Lanes* x_operand
   }
 }
 
+// The lines of a SmallPrefetch issued in step with the iterations: after
+// each of `total` iteration steps, up to its share of them, so the loads
+// overlap the arithmetic instead of queueing at once.
+class PrefetchPacer {
+ public:
+  PrefetchPacer(const SmallPrefetch* prefetch, int64_t total)
+      : lines_(prefetch != nullptr ? prefetch->lines : nullptr), count_(prefetch != nullptr ? prefetch->count : 0),
+        total_(std::max<int64_t>(total, 1)) {}
+  __attribute__((always_inline)) void step() { issue_up_to(count_ * std::min(++done_, total_) / total_); }
+  __attribute__((always_inline)) void finish() { issue_up_to(count_); }
+
+ private:
+  __attribute__((always_inline)) void issue_up_to(int64_t end) {
+    for (; issued_ < end; ++issued_) {
+      const uintptr_t line = lines_[issued_];
+      if ((line & 1u) != 0) {
+        __builtin_prefetch(reinterpret_cast<const char*>(line - 1), 1, 3);
+      } else {
+        __builtin_prefetch(reinterpret_cast<const char*>(line), 0, 3);
+      }
+    }
+  }
+  const uintptr_t* lines_;
+  int64_t count_, total_, done_ = 0, issued_ = 0;
+};
+
 // The iterations on one group of matrices in lanes: x [rows * cols], its
 // operand copy, gram and poly [side * side]. Every product entry is a sum over
 // k ascending (dot_block), so the bits do not depend on the blocking. With
@@ -253,7 +279,7 @@ template <int64_t kRows, int64_t kCols, Arithmetic kArithmetic>
 __attribute__((always_inline)) inline void standard_iterations(Lanes* x, Lanes* x_operand, Lanes* gram, Lanes* poly,
                                                                int64_t rows_value, int64_t cols_value,
                                                                const float* abc_list, int64_t steps,
-                                                               PolarRounding rounding) {
+                                                               PolarRounding rounding, PrefetchPacer& pacer) {
   const int64_t rows = kRows > 0 ? kRows : rows_value, cols = kCols > 0 ? kCols : cols_value;
   const int64_t side = std::min(rows, cols), length = std::max(rows, cols);
   const bool wide = rows <= cols;
@@ -265,6 +291,7 @@ __attribute__((always_inline)) inline void standard_iterations(Lanes* x, Lanes* 
     gram_of<kArithmetic>(x, gram, side, length, v_row, v_col, rounding);            // gram = V V^T
     symmetric_product<kArithmetic>(poly, gram, gram, gram, side, c, b, rounding);   // poly = c (gram gram) + b gram
     multiply_x<kArithmetic>(x, x_operand, poly, rows, cols, true, a, rounding);     // X = poly X + a X (or X poly + a X)
+    pacer.step();
   }
 }
 
@@ -273,18 +300,18 @@ __attribute__((always_inline)) inline void standard_iterations(Lanes* x, Lanes* 
 template <Arithmetic kArithmetic>
 __attribute__((always_inline)) inline void iterate_group(
     Lanes* x, Lanes* x_operand, Lanes* gram, Lanes* poly, int64_t rows, int64_t cols, const float* abc_list,
-    int64_t steps, PolarRounding rounding) {
+    int64_t steps, PolarRounding rounding, PrefetchPacer& pacer) {
   if constexpr (kArithmetic.fused) {
     if (rows == 8 && cols == 8 && rounding == PolarRounding::kBFloat16) {
       return standard_iterations<8, 8, kArithmetic>(x, x_operand, gram, poly, 8, 8, abc_list, steps,
-                                                    PolarRounding::kBFloat16);
+                                                    PolarRounding::kBFloat16, pacer);
     }
     if (rows == 1 && cols == 1 && rounding == PolarRounding::kBFloat16) {
       return standard_iterations<1, 1, kArithmetic>(x, x_operand, gram, poly, 1, 1, abc_list, steps,
-                                                    PolarRounding::kBFloat16);
+                                                    PolarRounding::kBFloat16, pacer);
     }
   }
-  standard_iterations<0, 0, kArithmetic>(x, x_operand, gram, poly, rows, cols, abc_list, steps, rounding);
+  standard_iterations<0, 0, kArithmetic>(x, x_operand, gram, poly, rows, cols, abc_list, steps, rounding, pacer);
 }
 
 // Gram Newton-Schulz on one group in lanes, op for op polar_gram_plan's (the
@@ -293,7 +320,7 @@ __attribute__((always_inline)) inline void iterate_group(
 template <Arithmetic kArithmetic>
 __attribute__((always_inline)) inline void iterate_group_gram(
     Lanes* x, Lanes* x_operand, Lanes* r, Lanes* z, Lanes* q, Lanes* spare, int64_t rows, int64_t cols,
-    const float* abc_list, int64_t steps, PolarRounding rounding) {
+    const float* abc_list, int64_t steps, PolarRounding rounding, PrefetchPacer& pacer) {
   const int64_t side = std::min(rows, cols), length = std::max(rows, cols);
   const bool wide = rows <= cols;
   const int64_t v_row = wide ? cols : 1, v_col = wide ? 1 : cols;
@@ -322,6 +349,7 @@ __attribute__((always_inline)) inline void iterate_group_gram(
       symmetric_product<kArithmetic>(spare, r, z, r, side, 1.0f, a, rounding);
       symmetric_product<kArithmetic>(r, z, spare, spare, side, 1.0f, a, rounding);
     }
+    pacer.step();
   }
   multiply_x<kArithmetic>(x, x_operand, q, rows, cols, false, 0.0f, rounding);
 }
@@ -455,15 +483,15 @@ __attribute__((always_inline)) inline bool all_finite(const Lanes* x, int64_t co
 // without its NaN case where the group's values are finite.
 __attribute__((always_inline)) inline void iterate_group_in(Lanes* x, Lanes* squares, int64_t rows, int64_t cols,
                                                             const float* abc, int64_t steps, PolarRounding rounding,
-                                                            bool gram, bool finite) {
+                                                            bool gram, bool finite, PrefetchPacer& pacer) {
   const int64_t n = rows * cols, side = std::min(rows, cols);
   auto run = [&](auto arithmetic) {
     constexpr Arithmetic kArithmetic = decltype(arithmetic)::value;
     if (gram) {
       iterate_group_gram<kArithmetic>(x, x + n, squares, squares + side * side, squares + 2 * side * side,
-                                      squares + 3 * side * side, rows, cols, abc, steps, rounding);
+                                      squares + 3 * side * side, rows, cols, abc, steps, rounding, pacer);
     } else {
-      iterate_group<kArithmetic>(x, x + n, squares, squares + side * side, rows, cols, abc, steps, rounding);
+      iterate_group<kArithmetic>(x, x + n, squares, squares + side * side, rows, cols, abc, steps, rounding, pacer);
     }
   };
   switch (rounding) {
@@ -480,12 +508,14 @@ __attribute__((always_inline)) inline void iterate_group_in(Lanes* x, Lanes* squ
 // inlined into it (compiled for this build's instruction set).
 void iterate_groups(
     float* xs, const float* input_scales, int64_t count, int64_t rows, int64_t cols, const float* abc,
-    int64_t steps, PolarRounding rounding, bool gram, const SmallNorMuon* normuon, Lanes* x) {
+    int64_t steps, PolarRounding rounding, bool gram, const SmallNorMuon* normuon, const SmallPrefetch* prefetch,
+    Lanes* x) {
   const int64_t n = rows * cols, side = std::min(rows, cols), len = shapes::stat_length(rows, cols);
   Lanes* squares = x + 2 * n;
   // NorMuon scratch after the iteration buffers: sums (2 Lanes each), vm, mult.
   Lanes* stats = squares + (gram ? 4 : 2) * side * side;
   float* lanes = reinterpret_cast<float*>(x);  // lane m of vector e at lanes[e * kLanes + m]
+  PrefetchPacer pacer(prefetch, (count + kLanes - 1) / kLanes * steps);
   for (int64_t first = 0; first < count; first += kLanes) {
     const int64_t members = std::min<int64_t>(kLanes, count - first);
     float* base = xs + first * n;
@@ -526,13 +556,13 @@ void iterate_groups(
       // From finite values, the iterations make a NaN or an infinity only by
       // overflow, and it reaches X; then the group runs again with the NaN
       // case, for round_bf16's bits.
-      iterate_group_in(x, squares, rows, cols, abc, steps, rounding, gram, true);
+      iterate_group_in(x, squares, rows, cols, abc, steps, rounding, gram, true, pacer);
       if (!all_finite(x, n)) {
         load_group();
-        iterate_group_in(x, squares, rows, cols, abc, steps, rounding, gram, false);
+        iterate_group_in(x, squares, rows, cols, abc, steps, rounding, gram, false, pacer);
       }
     } else {
-      iterate_group_in(x, squares, rows, cols, abc, steps, rounding, gram, false);
+      iterate_group_in(x, squares, rows, cols, abc, steps, rounding, gram, false, pacer);
     }
     if (normuon != nullptr) {
       lane_normuon(x, rows, cols, members, normuon->second_moments + first, normuon->beta2,
@@ -552,14 +582,15 @@ void iterate_groups(
       }
     }
   }
+  pacer.finish();
 }
 
 }  // namespace
 
 void polar_small_groups(float* xs, const float* input_scales, int64_t count, int64_t rows, int64_t cols,
                         const float* abc, int64_t steps, PolarRounding rounding, bool gram,
-                        const SmallNorMuon* normuon, float* scratch) {
-  iterate_groups(xs, input_scales, count, rows, cols, abc, steps, rounding, gram, normuon,
+                        const SmallNorMuon* normuon, const SmallPrefetch* prefetch, float* scratch) {
+  iterate_groups(xs, input_scales, count, rows, cols, abc, steps, rounding, gram, normuon, prefetch,
                  reinterpret_cast<Lanes*>(scratch));
 }
 
