@@ -34,11 +34,28 @@ struct MuonHyper {
   float weight_decay;
 };
 
+// The rules that the CPU also runs on 16-lane vectors (NorMuon in
+// polar_small_kernel.cpp) are templates on the arithmetic type T, written
+// once: T supplies + - * / (with float operands too), Ops (MuonMathOps<T>
+// unless given: the vector one is per instruction set) sqrt and at_least.
+template <typename T>
+struct MuonMathOps;
+
+template <>
+struct MuonMathOps<float> {
+  MUON_HD static float sqrt(float x) { return ::sqrtf(x); }
+  // x > floor ? x : floor (floor for NaN).
+  MUON_HD static float at_least(float x, float floor) { return x > floor ? x : floor; }
+};
+
 // torch.lerp's formula: the small-weight form below 0.5, the other above, so
 // that both ends are reproduced exactly.
-MUON_HD float lerp(float start, float end, float weight) {
+template <typename T>
+MUON_HD T lerp_of(T start, T end, float weight) {
   return ::fabsf(weight) < 0.5f ? start + weight * (end - start) : end - (end - start) * (1.0f - weight);
 }
+
+MUON_HD float lerp(float start, float end, float weight) { return lerp_of(start, end, weight); }
 
 // Momentum EMA (in place) and the Nesterov blend; returns the direction u.
 //   mom = lerp(mom, g, 1 - mu);  u = lerp(g, mom, mu) if nesterov else mom
@@ -59,16 +76,24 @@ MUON_HD float normuon_mean_square(float sum_of_squares, int64_t reduced) {
 }
 
 // s_i = rsqrt(max(smb_i, 1e-10)), as 1 / sqrt for identical rounding everywhere.
-MUON_HD float normuon_step_size(float second_moment) {
-  return 1.0f / ::sqrtf(second_moment > 1e-10f ? second_moment : 1e-10f);
+template <typename T, typename Ops = MuonMathOps<T>>
+MUON_HD T normuon_step_size_of(T second_moment) {
+  return 1.0f / Ops::sqrt(Ops::at_least(second_moment, 1e-10f));
 }
+
+MUON_HD float normuon_step_size(float second_moment) { return normuon_step_size_of(second_moment); }
 
 // The norm-preserving factor n0 / max(n1, 1e-10), from
 //   n0^2 = sum(vm) * red   and   n1^2 = sum(vm * red * s^2).
+template <typename T, typename Ops = MuonMathOps<T>>
+MUON_HD T normuon_norm_ratio_of(T sum_vm, T sum_scaled, int64_t reduced) {
+  const T n0 = Ops::sqrt(sum_vm * float(reduced));
+  const T n1 = Ops::sqrt(sum_scaled);
+  return n0 / Ops::at_least(n1, 1e-10f);
+}
+
 MUON_HD float normuon_norm_ratio(float sum_vm, float sum_scaled, int64_t reduced) {
-  const float n0 = ::sqrtf(sum_vm * float(reduced));
-  const float n1 = ::sqrtf(sum_scaled);
-  return n0 / (n1 > 1e-10f ? n1 : 1e-10f);
+  return normuon_norm_ratio_of(sum_vm, sum_scaled, reduced);
 }
 
 // Cautious weight decay and the update on one FP32 master element:

@@ -789,12 +789,12 @@ using MasterStorage = std::conditional_t<M == MasterMode::kFP32, float, int16_t>
 
 constexpr int64_t kCacheLine = 64;
 
-__attribute__((always_inline)) inline void prefetch_for_read(const char* p, int64_t bytes) {
-  for (int64_t k = 0; k < bytes; k += kCacheLine) __builtin_prefetch(p + k, 0, 3);
-}
-
-__attribute__((always_inline)) inline void prefetch_for_write(char* p, int64_t bytes) {
-  for (int64_t k = 0; k < bytes; k += kCacheLine) __builtin_prefetch(p + k, 1, 3);
+// The lines of [p, p + bytes) appended to a SmallPrefetch list (bit 0: for writing).
+__attribute__((always_inline)) inline void add_prefetch_lines(std::vector<uintptr_t>& lines, const void* p,
+                                                              int64_t bytes, bool for_write) {
+  const uintptr_t first = reinterpret_cast<uintptr_t>(p) & ~uintptr_t(kCacheLine - 1);
+  const uintptr_t end = reinterpret_cast<uintptr_t>(p) + uintptr_t(bytes);
+  for (uintptr_t line = first; line < end; line += kCacheLine) lines.push_back(line | uintptr_t(for_write));
 }
 
 // What every run of one step shares.
@@ -819,6 +819,7 @@ struct SmallBuffers {
   std::vector<float> x, scales, mult;
   std::vector<double> sums;
   std::vector<float*> smb_of;  // each matrix's second moments, for NorMuon in the lanes
+  std::vector<uintptr_t> prefetch_lines;
 };
 
 // The matrices [begin, end) of the bucket through the whole step. Cloned per
@@ -831,24 +832,27 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void small_step_run
                                                         s.starts.begin() - 1;
   float* const u = buf.x.data();
   // Prefetch what the apply of this run and the momentum of the next will
-  // read, so those loads overlap the iterations' arithmetic.
+  // read, paced by the iterations, so those loads overlap their arithmetic.
+  buf.prefetch_lines.clear();
   const int64_t ahead = std::min(end + (end - begin), s.starts.back());
   for (int64_t at = begin, p = first_param; at < ahead; ++p) {
     const int64_t stop = std::min(ahead, s.starts[p + 1]), own_end = std::min(stop, end), next = std::max(at, end);
     if (at < own_end) {
       const int64_t offset = (at - s.starts[p]) * n, numel = (own_end - at) * n;
-      prefetch_for_write(static_cast<char*>(s.params[p]) + offset * int64_t(sizeof(ParamStorage<P>)),
-                         numel * int64_t(sizeof(ParamStorage<P>)));
+      add_prefetch_lines(buf.prefetch_lines, static_cast<char*>(s.params[p]) + offset * int64_t(sizeof(ParamStorage<P>)),
+                         numel * int64_t(sizeof(ParamStorage<P>)), true);
       if constexpr (M != MasterMode::kNone) {
-        prefetch_for_write(static_cast<char*>(s.masters[p]) + offset * int64_t(sizeof(MasterStorage<M>)),
-                           numel * int64_t(sizeof(MasterStorage<M>)));
+        add_prefetch_lines(buf.prefetch_lines,
+                           static_cast<char*>(s.masters[p]) + offset * int64_t(sizeof(MasterStorage<M>)),
+                           numel * int64_t(sizeof(MasterStorage<M>)), true);
       }
     }
     if (next < stop) {
       const int64_t offset = (next - s.starts[p]) * n, numel = (stop - next) * n;
-      prefetch_for_write(reinterpret_cast<char*>(s.moms[p] + offset), numel * int64_t(sizeof(float)));
-      prefetch_for_read(static_cast<const char*>(s.grads[p]) + offset * int64_t(sizeof(ParamStorage<G>)),
-                        numel * int64_t(sizeof(ParamStorage<G>)));
+      add_prefetch_lines(buf.prefetch_lines, s.moms[p] + offset, numel * int64_t(sizeof(float)), true);
+      add_prefetch_lines(buf.prefetch_lines,
+                         static_cast<const char*>(s.grads[p]) + offset * int64_t(sizeof(ParamStorage<G>)),
+                         numel * int64_t(sizeof(ParamStorage<G>)), false);
     }
     at = stop;
   }
@@ -877,8 +881,9 @@ __attribute__((target_clones("avx512f", "avx2", "default"))) void small_step_run
       at = stop;
     }
   }
+  const SmallPrefetch prefetch{buf.prefetch_lines.data(), static_cast<int64_t>(buf.prefetch_lines.size())};
   polar_express_small_matrices(u, buf.scales.data(), end - begin, s.rows, s.cols, s.abc, s.steps, s.rounding,
-                               s.gram, lane_normuon ? &normuon : nullptr, buf.polar.data());
+                               s.gram, lane_normuon ? &normuon : nullptr, &prefetch, buf.polar.data());
   for (int64_t at = begin, p = first_param; at < end; ++p) {
     const int64_t count = std::min(end, s.starts[p + 1]) - at, first = at - s.starts[p];
     float* xs = u + (at - begin) * n;

@@ -6,8 +6,9 @@
 // group of sixteen matrices is transposed into lanes (element e of matrix m at
 // lane m of vector e), and the iteration is written out with plain loops on
 // 16-wide vectors (one AVX-512 register, two AVX2 ones): every vector operation is the scalar one per lane, in a
-// fixed order, with no FMA contraction, so a matrix gets the same bits in any
-// lane, any group, on any thread count and at any address
+// fixed order (fused multiply-adds only where their product is exact, and
+// computed by every ISA build), so a matrix gets the same bits in any lane,
+// any group, on any ISA, on any thread count and at any address
 // (docs/design.md, "CPU kernels", small matrices).
 #pragma once
 
@@ -50,6 +51,15 @@ struct SmallNorMuon {
 // NorMuon in the lanes up to this many statistics per matrix (its scratch grows with them).
 constexpr int64_t kSmallNorMuonMaxStats = 128;
 
+// Cache lines to prefetch while the groups iterate (the fused step's next
+// loads), issued a share after each iteration step so that they overlap the
+// arithmetic instead of queueing at once: line addresses, bit 0 set for a
+// line that will be written.
+struct SmallPrefetch {
+  const uintptr_t* lines;
+  int64_t count;
+};
+
 // Scratch floats polar_express_small_matrices needs (one group in lanes).
 int64_t polar_small_scratch_floats(int64_t rows, int64_t cols, bool gram, bool normuon);
 
@@ -67,11 +77,24 @@ class PolarSmallScratch {
 // place, on the calling thread, group by group. With input_scales, matrix j
 // enters as x * input_scales[j] (the input scaling, done in the lanes); abc
 // holds `steps` (a, b, c) triples; with normuon (stat_length <=
-// kSmallNorMuonMaxStats), NorMuon follows in the lanes; scratch has
-// polar_small_scratch_floats().
+// kSmallNorMuonMaxStats), NorMuon follows in the lanes; prefetch may be
+// null; scratch has polar_small_scratch_floats().
 void polar_express_small_matrices(float* xs, const float* input_scales, int64_t count, int64_t rows, int64_t cols,
                                   const float* abc, int64_t steps, PolarRounding rounding, bool gram,
-                                  const SmallNorMuon* normuon, float* scratch);
+                                  const SmallNorMuon* normuon, const SmallPrefetch* prefetch, float* scratch);
+
+// The kernel of polar_express_small_matrices, built once per instruction set
+// (polar_small_kernel.cpp); scratch is 64-byte aligned.
+#define MUON_EXT_DECLARE_POLAR_SMALL_KERNEL(ISA)                                                                     \
+  namespace ISA {                                                                                                   \
+  void polar_small_groups(float* xs, const float* input_scales, int64_t count, int64_t rows, int64_t cols,          \
+                          const float* abc, int64_t steps, PolarRounding rounding, bool gram,                       \
+                          const SmallNorMuon* normuon, const SmallPrefetch* prefetch, float* scratch);              \
+  }
+MUON_EXT_DECLARE_POLAR_SMALL_KERNEL(DEFAULT)
+MUON_EXT_DECLARE_POLAR_SMALL_KERNEL(AVX2)
+MUON_EXT_DECLARE_POLAR_SMALL_KERNEL(AVX512)
+#undef MUON_EXT_DECLARE_POLAR_SMALL_KERNEL
 
 void polar_express_small(float* xs, int64_t count, int64_t rows, int64_t cols,
                          const std::vector<std::array<float, 3>>& coefficients, PolarRounding rounding, bool gram);

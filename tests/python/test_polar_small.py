@@ -7,10 +7,13 @@ give every matrix the same bits whatever its lane, group or neighbours.
 Thread-count independence is in test_reproducibility.py (shapes 1x1, 8x8, 40x24).
 """
 
+import os
+
 import pytest
 import torch
 
 from muon_ext import ops, reference
+from support.helpers import run_python
 
 COEFFICIENTS = reference.POLAR_EXPRESS_COEFFICIENTS
 # Wide, tall, square, a single element, one row or column, the largest square
@@ -69,6 +72,53 @@ def test_non_finite_inputs_stay_in_their_own_matrix():
     assert torch.isnan(dirty[4]).all()
     keep = [j for j in range(9) if j != 4]
     assert torch.equal(dirty[keep], clean[keep])
+
+
+# Each instruction set's build of the kernel (AVX-512 and AVX2 with FMA
+# instructions, the baseline in double) in a fresh process capped by
+# ATEN_CPU_CAPABILITY; inputs from numpy (torch's generators are vectorized per
+# ISA). Three matrices span 24-30 decades (elements, rows, columns), so BF16
+# products fall below 2^-126, where a fused multiply-add may round otherwise
+# than a multiply then add; one holds an inf (the NaN-case rounding); every
+# polar_dtype, both methods, and the fused step.
+_EVERY_ISA_CODE = """
+import hashlib, numpy as np, torch
+from muon_ext import ops
+rng = np.random.default_rng(0)
+digest = hashlib.sha256()
+for shape in [(1, 1), (8, 8), (5, 9), (40, 24)]:
+    u = rng.standard_normal((19,) + shape).astype(np.float32)
+    u[3] *= (10.0 ** rng.uniform(-30, 0, shape)).astype(np.float32)
+    u[4] *= (10.0 ** np.linspace(0, -24, shape[0]))[:, None].astype(np.float32)
+    u[6] *= (10.0 ** np.linspace(0, -24, shape[1]))[None, :].astype(np.float32)
+    u[5].flat[-1] = np.inf
+    for dtype in ["bfloat16", "float16", "float32"]:
+        for method in ["standard", "gram"]:
+            x = torch.from_numpy(u.copy())
+            ops.muon_orthogonalize([x], beta2=None, polar_dtype=dtype, polar_method=method)
+            digest.update(x.numpy().tobytes())
+    grads = torch.from_numpy(u.copy()).bfloat16()
+    params = torch.from_numpy(rng.standard_normal(u.shape).astype(np.float32) * 0.05).bfloat16()
+    moms, masters = torch.zeros(u.shape), torch.zeros(u.shape, dtype=torch.int16)
+    smbs = torch.zeros((19, shape[0], 1) if shape[0] >= shape[1] else (19, 1, shape[1]))
+    for _ in range(2):
+        ops.muon_step([params], [grads], [moms], [smbs], masters=[masters], lr=0.02)
+    for t in (params, moms, masters, smbs):
+        digest.update(t.view(torch.uint8).numpy().tobytes())
+print(ops.cpu_capabilities()[-1], digest.hexdigest())
+"""
+
+
+@pytest.mark.parametrize("capability", ["AVX2", "AVX512"])
+def test_every_instruction_set_gives_the_same_bits(capability):
+    if capability not in ops.cpu_capabilities():
+        pytest.skip(f"{capability} not usable on this machine")
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability.lower())
+    used, checksum = run_python(_EVERY_ISA_CODE, env=env, check=True).stdout.split()
+    assert used == capability
+    env["ATEN_CPU_CAPABILITY"] = "default"
+    baseline_used, baseline = run_python(_EVERY_ISA_CODE, env=env, check=True).stdout.split()
+    assert baseline_used == "DEFAULT" and checksum == baseline
 
 
 # The fused small-matrix step (csrc/cpu/muon_cpu.cpp, small_step_kernel): one
