@@ -183,14 +183,22 @@ void write_tile(const float* acc, int64_t h, int64_t w, float alpha, float beta,
   write_tile_rows<true>(acc, h, w, alpha, beta, addend, ld_addend, out, ld_out);
 }
 
-// out(i, j) := out(j, i) for i > j, in blocks (both sides stay in cache).
-void mirror_lower(uint16_t* out, int64_t n, int64_t ld) {
-  constexpr int64_t kBlock = 32;
-  for (int64_t i0 = 0; i0 < n; i0 += kBlock) {
-    for (int64_t j0 = 0; j0 <= i0; j0 += kBlock) {
-      for (int64_t i = i0; i < std::min(i0 + kBlock, n); ++i) {
-        for (int64_t j = j0; j < std::min({j0 + kBlock, n, i}); ++j) out[i * ld + j] = out[j * ld + i];
+// out(i, j) := out(j, i) for i > j (n a multiple of 16): 16 x 16 blocks
+// transposed in registers, the diagonal blocks element by element.
+__attribute__((target("avx512f,avx512bw"))) void mirror_lower(uint16_t* out, int64_t n, int64_t ld) {
+  for (int64_t i0 = 0; i0 < n; i0 += 16) {
+    for (int64_t j0 = 0; j0 < i0; j0 += 16) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) {
+        r[i] = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(out + (j0 + i) * ld + i0)));
       }
+      transpose_16x16(r);
+      for (int j = 0; j < 16; ++j) {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (i0 + j) * ld + j0), _mm512_cvtepi32_epi16(r[j]));
+      }
+    }
+    for (int64_t i = i0 + 1; i < i0 + 16; ++i) {
+      for (int64_t j = i0; j < i; ++j) out[i * ld + j] = out[j * ld + i];
     }
   }
 }
