@@ -1,6 +1,7 @@
 // BF16 GEMMs on oneDNN's batch-reduce micro-kernel; see bf16_tile_gemm.h.
 #include "bf16_tile_gemm.h"
 
+#include <ATen/Parallel.h>
 #include <ATen/cpu/Utils.h>
 #include <ATen/native/CPUBlas.h>
 #include <c10/util/BFloat16.h>
@@ -229,7 +230,7 @@ bool bf16_tile_gemm_available() {
 
 void bf16_tile_gemm(int64_t m, int64_t n, int64_t k, float alpha, const uint16_t* lhs, int64_t ld_lhs,
                     Bf16Matrix rhs, float beta, const uint16_t* addend, int64_t ld_addend, uint16_t* out,
-                    int64_t ld_out, bool symmetric) {
+                    int64_t ld_out, bool symmetric, bool spread_over_threads) {
   // The thread's packed operand and accumulator, kept between calls, on
   // 64-byte boundaries: from malloc's 16-byte ones every tile row the kernel
   // loads or stores could straddle two cache lines (runs of 4x768x256 took
@@ -241,15 +242,19 @@ void bf16_tile_gemm(int64_t m, int64_t n, int64_t k, float alpha, const uint16_t
   const int64_t chunk_cols =
       std::max<int64_t>(kTileCols, std::min(n, kPackedChunkElements / k) / kTileCols * kTileCols);
   uint16_t* const packed = aligned_scratch(packed_storage, chunk_cols * k);
-  float* const acc = aligned_scratch(accumulator_storage, tile_rows * kTileCols);
   const auto* a = reinterpret_cast<const c10::BFloat16*>(lhs);
+  const int64_t row_tiles = (m + tile_rows - 1) / tile_rows;
   for (int64_t n0 = 0; n0 < n; n0 += chunk_cols) {
     const int64_t chunk = std::min(chunk_cols, n - n0);
     pack_chunk(rhs, k, n0, chunk, packed);
-    for (int64_t m0 = 0; m0 < m; m0 += tile_rows) {
-      const int64_t h = std::min(tile_rows, m - m0);
-      for (int64_t c = 0; c < chunk; c += kTileCols) {
-        const int64_t col = n0 + c, w = std::min(kTileCols, chunk - c);
+    const int64_t col_tiles = (chunk + kTileCols - 1) / kTileCols;
+    // Tiles [first, last) of the chunk, row tile by row tile: the same calls
+    // on whichever thread, so the same bits.
+    auto run_tiles = [&](int64_t first, int64_t last) {
+      float* const acc = aligned_scratch(accumulator_storage, tile_rows * kTileCols);
+      for (int64_t t = first; t < last; ++t) {
+        const int64_t m0 = (t / col_tiles) * tile_rows, c = (t % col_tiles) * kTileCols;
+        const int64_t h = std::min(tile_rows, m - m0), col = n0 + c, w = std::min(kTileCols, chunk - c);
         if (symmetric && col + w <= m0) continue;  // wholly below the diagonal: mirrored below
         at::native::cpublas::brgemm(h, w, k, ld_lhs, w, w, /*add_C=*/false, a + m0 * ld_lhs,
                                     reinterpret_cast<const c10::BFloat16*>(packed + c * k), acc,
@@ -257,6 +262,14 @@ void bf16_tile_gemm(int64_t m, int64_t n, int64_t k, float alpha, const uint16_t
         write_tile(acc, h, w, alpha, beta, beta == 0.0f ? nullptr : addend + m0 * ld_addend + col, ld_addend,
                    out + m0 * ld_out + col, ld_out);
       }
+    };
+    if (spread_over_threads) {
+      at::parallel_for(0, row_tiles * col_tiles, 1, [&](int64_t first, int64_t last) {
+        run_tiles(first, last);
+        bf16_tile_gemm_release();
+      });
+    } else {
+      run_tiles(0, row_tiles * col_tiles);
     }
   }
   if (symmetric) mirror_lower(out, m, ld_out);
@@ -299,7 +312,7 @@ void bf16_tile_gemm_release() { at::native::cpublas::brgemm_release(/*is_vnni=*/
 
 bool bf16_tile_gemm_available() { return false; }
 void bf16_tile_gemm(int64_t, int64_t, int64_t, float, const uint16_t*, int64_t, Bf16Matrix, float, const uint16_t*,
-                    int64_t, uint16_t*, int64_t, bool) {
+                    int64_t, uint16_t*, int64_t, bool, bool) {
   TORCH_CHECK(false, "bf16_tile_gemm: no AMX on this architecture");
 }
 void transpose_to_bf16(const float*, int64_t, int64_t, uint16_t*) { TORCH_CHECK(false, "no AMX here"); }

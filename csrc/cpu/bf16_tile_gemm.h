@@ -32,10 +32,12 @@ struct Bf16Matrix {
 // `symmetric` (m == n and the product symmetric) tiles wholly below the
 // diagonal are skipped and the strict lower triangle copied from the upper.
 // The bits depend on the shapes only: every output is one FP32 sum over k
-// in the kernel's order, whatever the thread, address or tile.
+// in the kernel's order, whatever the thread, address or tile. With
+// `spread_over_threads` (called outside a parallel region) the tiles are
+// shared among the intra-op threads: one GEMM no longer waits on one core.
 void bf16_tile_gemm(int64_t m, int64_t n, int64_t k, float alpha, const uint16_t* lhs, int64_t ld_lhs,
                     Bf16Matrix rhs, float beta, const uint16_t* addend, int64_t ld_addend, uint16_t* out,
-                    int64_t ld_out, bool symmetric);
+                    int64_t ld_out, bool symmetric, bool spread_over_threads = false);
 
 // The [cols, rows] transpose of an FP32 [rows, cols] matrix rounded to BF16
 // (nearest even), and back (exact); rows and cols multiples of 16.

@@ -522,7 +522,8 @@ void polar_express(at::Tensor& x, const std::vector<std::array<float, 3>>& coeff
       round_to(output_rounding, into.view({rows, cols}));
     });
     // A kGemm on the micro-kernel: its views as pointers into the member's BF16 slots.
-    auto tile_gemm = [&](int64_t member, const PolarOp& op, PolarBuffer addend, const std::array<float, 3>& abc) {
+    auto tile_gemm = [&](int64_t member, const PolarOp& op, PolarBuffer addend, const std::array<float, 3>& abc,
+                         bool spread) {
       auto data = [&](PolarBuffer b, int64_t offset) {
         return static_cast<uint16_t*>(slot(member, b).data_ptr()) + offset;
       };
@@ -536,14 +537,15 @@ void polar_express(at::Tensor& x, const std::vector<std::array<float, 3>>& coeff
                      data(op.lhs.buffer, op.lhs.offset), op.lhs.ld,
                      Bf16Matrix{data(op.rhs.buffer, op.rhs.offset), op.rhs.ld, op.rhs.transposed}, beta,
                      beta == 0.0f ? nullptr : data(addend, op.out.offset), op.out.ld,
-                     data(op.out.buffer, op.out.offset), op.out.ld, symmetric);
+                     data(op.out.buffer, op.out.offset), op.out.ld, symmetric, spread);
     };
-    auto execute = [&](int64_t member, const PolarOp& op, PolarBuffer addend) {
+    // `spread`: called outside the threads' tasks, a GEMM shares its tiles among them.
+    auto execute = [&](int64_t member, const PolarOp& op, PolarBuffer addend, bool spread = false) {
       const std::array<float, 3>& abc = coefficients[op.step];
       switch (op.kind) {
         case PolarOp::Kind::kGemm: {
           if (tiles) {
-            tile_gemm(member, op, addend, abc);
+            tile_gemm(member, op, addend, abc, spread);
             break;
           }
           at::Tensor out = view_of(slot(member, op.out.buffer), op.out);
@@ -580,9 +582,16 @@ void polar_express(at::Tensor& x, const std::vector<std::array<float, 3>>& coeff
         if (tiles) bf16_tile_gemm_release();
       });
     } else {
-      // Fewer matrices than threads: the threads share each stage's panels.
+      // Fewer matrices than threads: the threads share each stage's panels,
+      // or on the micro-kernel, with fewer panels than threads, each GEMM's tiles.
       for (const CpuStage& stage : stages) {
         const int64_t ops = static_cast<int64_t>(stage.ops.size());
+        if (tiles && members * ops < at::get_num_threads()) {
+          for (int64_t task = 0; task < members * ops; ++task) {
+            execute(task / ops, stage.ops[task % ops], stage.addend, /*spread=*/true);
+          }
+          continue;
+        }
         run_tasks(members * ops, [&](int64_t task) {
           execute(task / ops, stage.ops[task % ops], stage.addend);
           if (tiles) bf16_tile_gemm_release();
