@@ -103,12 +103,16 @@ def polar_case(shapes: List[tuple], rounds: int, iters: int) -> dict:
     def ours(polar_dtype, tiles=True):
         def run():
             work.copy_(updates)
+            setting = os.environ.get("MUON_EXT_CPU_TILE_GEMM")
             if not tiles:  # the at::addmm_out path the AMX tiles replace (read at every call)
                 os.environ["MUON_EXT_CPU_TILE_GEMM"] = "0"
             try:
                 ops.muon_orthogonalize([work], beta2=None, polar_dtype=polar_dtype)
             finally:
-                os.environ.pop("MUON_EXT_CPU_TILE_GEMM", None)
+                if setting is None:
+                    os.environ.pop("MUON_EXT_CPU_TILE_GEMM", None)
+                else:
+                    os.environ["MUON_EXT_CPU_TILE_GEMM"] = setting
         return run
 
     side, length = min(rows, cols), max(rows, cols)

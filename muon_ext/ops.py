@@ -350,7 +350,8 @@ def cpu_bf16_tile_gemm() -> bool:
     micro-kernel (CPUs with AMX-BF16): tiles of 64 columns into an FP32
     accumulator, each output rounded to BF16 once, for matrices whose sides
     are multiples of 16 (others take at::addmm). MUON_EXT_CPU_TILE_GEMM=0
-    turns it off (read at every call)."""
+    turns it off, unset or "1" leaves it on, anything else raises (read at
+    every call, checked before a step writes anything)."""
     return _C.cpu_bf16_tile_gemm()
 
 

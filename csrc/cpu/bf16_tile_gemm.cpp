@@ -20,6 +20,15 @@
 namespace muon_ext {
 namespace cpu {
 
+bool bf16_tile_gemm_enabled() {
+  // Read per call: for A/B benchmarks and tests.
+  const char* setting = std::getenv("MUON_EXT_CPU_TILE_GEMM");
+  const std::string value = setting == nullptr ? "" : setting;
+  TORCH_CHECK(value.empty() || value == "0" || value == "1", "MUON_EXT_CPU_TILE_GEMM must be '0' or '1', got '",
+              value, "'");
+  return value != "0";
+}
+
 #if defined(__x86_64__)
 namespace {
 
@@ -163,17 +172,18 @@ __attribute__((target("avx512f,avx512bw,avx512bf16"))) void write_tile_rows(cons
   const __m512 alpha_v = _mm512_set1_ps(alpha), beta_v = _mm512_set1_ps(beta);
   for (int64_t i = 0; i < h; ++i) {
     const float* a = acc + i * w;
-    const uint16_t* s = kAddend ? addend + i * ld_addend : nullptr;
     uint16_t* o = out + i * ld_out;
+    // The addend of column j (none without one).
+    auto s = [&](int64_t j) { return kAddend ? addend + i * ld_addend + j : nullptr; };
     int64_t j = 0;
     for (; j + 32 <= w; j += 32) {
-      const __m512 low = tile_values<kAddend>(a + j, s + j, alpha_v, beta_v);
-      const __m512 high = tile_values<kAddend>(a + j + 16, s + j + 16, alpha_v, beta_v);
+      const __m512 low = tile_values<kAddend>(a + j, s(j), alpha_v, beta_v);
+      const __m512 high = tile_values<kAddend>(a + j + 16, s(j + 16), alpha_v, beta_v);
       _mm512_storeu_si512(o + j, (__m512i)_mm512_cvtne2ps_pbh(high, low));
     }
     if (j < w) {  // w is a multiple of 16
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + j),
-                          (__m256i)_mm512_cvtneps_pbh(tile_values<kAddend>(a + j, s + j, alpha_v, beta_v)));
+                          (__m256i)_mm512_cvtneps_pbh(tile_values<kAddend>(a + j, s(j), alpha_v, beta_v)));
     }
   }
 }
@@ -216,6 +226,7 @@ __attribute__((target("avx512f,avx512bw"))) void mirror_lower(uint16_t* out, int
 }  // namespace
 
 bool bf16_tile_gemm_available() {
+  if (!bf16_tile_gemm_enabled()) return false;
   // AMX-BF16 (the micro-kernel packs for it) and AVX-512 BF16 (the epilogue's conversion).
   static const bool available = [] {
     const auto caps = at::cpu::get_cpu_capabilities();
@@ -223,9 +234,7 @@ bool bf16_tile_gemm_available() {
     const bool avx512_bf16 = it != caps.end() && it->second.isBool() && it->second.toBool();
     return avx512_bf16 && at::native::cpublas::could_pack(at::kBFloat16);
   }();
-  // MUON_EXT_CPU_TILE_GEMM=0 turns it off (read per call: for A/B benchmarks and tests).
-  const char* setting = std::getenv("MUON_EXT_CPU_TILE_GEMM");
-  return available && (setting == nullptr || std::string(setting) != "0");
+  return available;
 }
 
 void bf16_tile_gemm(int64_t m, int64_t n, int64_t k, float alpha, const uint16_t* lhs, int64_t ld_lhs,
@@ -310,7 +319,10 @@ void bf16_tile_gemm_release() { at::native::cpublas::brgemm_release(/*is_vnni=*/
 
 #else  // AMX is x86 only: elsewhere the native path keeps at::addmm_out.
 
-bool bf16_tile_gemm_available() { return false; }
+bool bf16_tile_gemm_available() {
+  bf16_tile_gemm_enabled();  // the setting is checked on every host
+  return false;
+}
 void bf16_tile_gemm(int64_t, int64_t, int64_t, float, const uint16_t*, int64_t, Bf16Matrix, float, const uint16_t*,
                     int64_t, uint16_t*, int64_t, bool, bool) {
   TORCH_CHECK(false, "bf16_tile_gemm: no AMX on this architecture");

@@ -15,8 +15,13 @@
 namespace muon_ext {
 namespace cpu {
 
-// Whether this CPU runs the micro-kernel (AMX-BF16), so bf16_tile_gemm may be
-// used (for sides that are multiples of 16: the kernel's columns, and k even).
+// MUON_EXT_CPU_TILE_GEMM: unset, "" or "1" (the default: on) or "0" (off);
+// anything else raises. Callers check it before they write anything.
+bool bf16_tile_gemm_enabled();
+
+// Whether this CPU runs the micro-kernel (AMX-BF16) and the setting allows it,
+// so bf16_tile_gemm may be used (for sides that are multiples of 16: the
+// kernel's columns, and k even).
 bool bf16_tile_gemm_available();
 
 // BF16 values as bit patterns (uint16_t), row-major with leading dimensions.

@@ -338,40 +338,38 @@ std::vector<CpuStage> fold_copies(const std::vector<std::vector<PolarOp>>& stage
 // copy (X into XOperand before X = Poly X + a X, and before the Gram plan's
 // last Q X) is skipped. One call only: a second row panel would read rows the
 // first had overwritten.
+// Whether an op of stages[first..] may read `buffer` before a copy overwrites
+// all of it (a GEMM writing it counts as a read: it may write only a part).
+bool read_before_overwritten(const std::vector<CpuStage>& stages, size_t first, PolarBuffer buffer) {
+  for (size_t j = first; j < stages.size(); ++j) {
+    for (const PolarOp& op : stages[j].ops) {
+      if (op.kind == PolarOp::Kind::kGemm) {
+        if (op.lhs.buffer == buffer || op.rhs.buffer == buffer || op.out.buffer == buffer) return true;
+      } else if (op.from == buffer || (op.kind != PolarOp::Kind::kCopy && op.to == buffer)) {
+        return true;
+      } else if (op.to == buffer) {
+        return false;  // a whole-slot copy
+      }
+    }
+  }
+  return false;
+}
+
 std::vector<CpuStage> read_operands_in_place(const std::vector<CpuStage>& stages) {
   std::vector<CpuStage> out;
   for (size_t i = 0; i < stages.size(); ++i) {
-    const CpuStage& stage = stages[i];
-    if (i + 1 < stages.size() && stage.ops.size() == 1 && stage.ops[0].kind == PolarOp::Kind::kCopy &&
-        stages[i + 1].ops.size() == 1) {
-      const PolarOp& copy = stage.ops[0];
+    if (i + 1 < stages.size() && stages[i].ops.size() == 1 && stages[i + 1].ops.size() == 1) {
+      const PolarOp& copy = stages[i].ops[0];
       const PolarOp& gemm = stages[i + 1].ops[0];
-      // Whether a later op may read T before a copy overwrites all of it
-      // (a GEMM writing T counts as a read: it may write only a part).
-      auto reads_copy = [&](const PolarOp& op) {
-        if (op.kind == PolarOp::Kind::kGemm) {
-          return op.lhs.buffer == copy.to || op.rhs.buffer == copy.to || op.out.buffer == copy.to;
-        }
-        return op.from == copy.to || (op.kind != PolarOp::Kind::kCopy && op.to == copy.to);
-      };
-      bool later_reads = false, overwritten = false;
-      for (size_t j = i + 2; j < stages.size() && !later_reads && !overwritten; ++j) {
-        for (const PolarOp& op : stages[j].ops) {
-          if (reads_copy(op)) later_reads = true;
-          if (op.kind == PolarOp::Kind::kCopy && op.to == copy.to) overwritten = true;
-          if (later_reads || overwritten) break;
-        }
-      }
-      if (gemm.kind == PolarOp::Kind::kGemm && gemm.out.buffer == copy.from && gemm.rhs.buffer == copy.to &&
-          gemm.lhs.buffer != copy.to && !later_reads) {
-        CpuStage fused = stages[i + 1];
-        fused.ops[0].rhs.buffer = copy.from;
-        out.push_back(fused);
+      if (copy.kind == PolarOp::Kind::kCopy && gemm.kind == PolarOp::Kind::kGemm && gemm.out.buffer == copy.from &&
+          gemm.rhs.buffer == copy.to && gemm.lhs.buffer != copy.to && !read_before_overwritten(stages, i + 2, copy.to)) {
+        out.push_back(stages[i + 1]);
+        out.back().ops[0].rhs.buffer = copy.from;
         ++i;
         continue;
       }
     }
-    out.push_back(stage);
+    out.push_back(stages[i]);
   }
   return out;
 }
@@ -951,11 +949,18 @@ void small_step(const MuonBucket& b, const MuonStepOptions& o, float inv_scale, 
   });
 }
 
+// The BF16 path decided and its settings (MUON_EXT_CPU_BF16_GEMM,
+// MUON_EXT_CPU_TILE_GEMM) checked, before anything is written.
+void check_bf16_settings(PolarDtype precision) {
+  if (precision != PolarDtype::kBFloat16) return;
+  polar_bf16_gemm();
+  bf16_tile_gemm_enabled();
+}
+
 }  // namespace
 
 void muon_step(const MuonBucket& b, const MuonStepOptions& o) {
-  // Decided (and MUON_EXT_CPU_BF16_GEMM checked) before anything is written.
-  if (o.polar_dtype == PolarDtype::kBFloat16) polar_bf16_gemm();
+  check_bf16_settings(o.polar_dtype);
   const int64_t n = b.matrix_numel();
   if (n == 0) return;
   const float inv_scale = o.inv_scale.has_value() ? o.inv_scale->item<float>() : 1.0f;
@@ -1014,7 +1019,7 @@ void muon_momentum(const MuonMomentumArgs& args, float inv_scale) {
 }
 
 void muon_orthogonalize(const MuonOrthogonalizeArgs& args) {
-  if (args.polar_dtype == PolarDtype::kBFloat16) polar_bf16_gemm();  // as in muon_step
+  check_bf16_settings(args.polar_dtype);
   const int64_t rows = args.rows, cols = args.cols, n = args.matrix_numel(), len = args.stat_length();
   const int64_t items = items_per_matrix(n);
   std::vector<double> partial;

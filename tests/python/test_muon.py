@@ -302,6 +302,20 @@ def test_polar_dtype_is_checked():
         assert_bit_equal(a, b)
 
 
+def test_a_bad_tile_gemm_setting_is_refused_before_any_write(monkeypatch):
+    """MUON_EXT_CPU_TILE_GEMM is read at every call and checked on every host
+    (with or without AMX) before the step writes anything."""
+    s = make_muon_set([(32, 64)])
+    before = [t.clone() for t in s.tensors()]
+    monkeypatch.setenv("MUON_EXT_CPU_TILE_GEMM", "off")
+    with pytest.raises(RuntimeError, match="MUON_EXT_CPU_TILE_GEMM"):
+        ops.muon_step(*s.args(make_muon_grads([(32, 64)])), lr=0.1, polar_dtype="bfloat16")
+    for a, b in zip(s.tensors(), before):
+        assert_bit_equal(a, b)
+    monkeypatch.setenv("MUON_EXT_CPU_TILE_GEMM", "0")
+    ops.muon_step(*s.args(make_muon_grads([(32, 64)])), lr=0.1, polar_dtype="bfloat16")
+
+
 def test_a_bad_cpu_bf16_gemm_setting_is_refused_before_any_write():
     code = """
 import torch
