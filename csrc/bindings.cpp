@@ -26,6 +26,7 @@
 #include "common/shapes.h"
 #include "cpu/adamw_cpu.h"
 #include "cpu/bf16_tile_gemm.h"
+#include "cpu/scratch_pool.h"
 #include "cpu/muon_cpu.h"
 #include "cpu/parallel_probe.h"
 
@@ -248,6 +249,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "How BF16 Polar-Express GEMMs run on this CPU (see muon_ext.ops.cpu_bf16_gemm).");
   m.def("cpu_bf16_tile_gemm", &muon_ext::cpu::bf16_tile_gemm_available,
         "Whether native BF16 Polar-Express runs on oneDNN's AMX micro-kernel (see muon_ext.ops.cpu_bf16_tile_gemm).");
+  m.def("cpu_scratch_pool_bytes", &muon_ext::cpu::scratch_pool_bytes,
+        "Test hook: bytes of CPU scratch kept between calls (csrc/cpu/scratch_pool.h).");
   m.def("threads_used_by_parallel_for", &muon_ext::cpu::threads_used_by_parallel_for, py::arg("items"),
         py::arg("grain"), py::call_guard<py::gil_scoped_release>(),
         "Test hook: how many distinct threads at::parallel_for, as compiled into the kernels, runs on.");

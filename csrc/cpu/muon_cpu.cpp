@@ -32,6 +32,7 @@
 #include "../common/shapes.h"
 #include "bf16_tile_gemm.h"
 #include "polar_small.h"
+#include "scratch_pool.h"
 #include "scalar_io.h"
 #include "scalar_kind.h"
 
@@ -162,6 +163,12 @@ void momentum_and_scale(const MuonBucket& b, const MuonStepOptions& o, const std
 // MKL's thread-local thread count, exported by MKL-linked torch builds; weak,
 // so a torch with another BLAS still loads this library (and runs unguarded).
 extern "C" int MKL_Set_Num_Threads_Local(int) __attribute__((weak));
+
+// The BLAS's FP32 GEMM (Fortran interface, 32-bit sizes), as torch calls it;
+// weak, so a torch without one exported runs at::addmm_out instead.
+extern "C" void sgemm_(const char* trans_a, const char* trans_b, const int* m, const int* n, const int* k,
+                       const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+                       const float* beta, float* c, const int* ldc) __attribute__((weak));
 
 // While alive, GEMMs called from this thread run on this thread alone. MKL's
 // threaded GEMM splits the work by its thread count, and the split changes
@@ -490,7 +497,8 @@ void polar_express(at::Tensor& x, const std::vector<std::array<float, 3>>& coeff
   const int64_t scratch_bytes = scratch_numel * element_size;
   const int64_t group = std::max<int64_t>(
       1, std::min({count, int64_t(at::get_num_threads()), max_scratch_bytes / std::max<int64_t>(scratch_bytes, 1)}));
-  const at::Tensor scratch = at::empty({group, scratch_numel}, x.options().dtype(scratch_dtype));
+  const ScratchLease scratch_lease(ScratchSlot::kPolarScratch, {group, scratch_numel}, scratch_dtype);
+  const at::Tensor& scratch = scratch_lease.tensor();
   TORCH_INTERNAL_ASSERT(reinterpret_cast<uintptr_t>(scratch.const_data_ptr()) % kAlignBytes == 0);
   const at::Tensor flat_x = x.view({count, rows * cols});
   // Each member's buffers as tensors, made once: a select and narrow per GEMM
@@ -508,7 +516,21 @@ void polar_express(at::Tensor& x, const std::vector<std::array<float, 3>>& coeff
 
   for (int64_t first = 0; first < count; first += group) {
     const int64_t members = std::min(group, count - first);
-    run_tasks(members, [&](int64_t member) {
+    const bool whole_matrix_stages =
+        std::all_of(stages.begin(), stages.end(), [](const CpuStage& stage) { return stage.ops.size() == 1; });
+    // A matrix per thread, or (fewer matrices than threads) the threads sharing each stage.
+    const bool matrix_per_thread =
+        members > 1 && (whole_matrix_stages || (members == group && group == at::get_num_threads()));
+    // Copies in the shared mode run one at a time from here, where torch's
+    // copy_ splits each among the threads (inside a task it would run on one).
+    auto for_each_member = [&](const auto& fn) {
+      if (matrix_per_thread || transposed) {
+        run_tasks(members, fn);
+      } else {
+        for (int64_t member = 0; member < members; ++member) fn(member);
+      }
+    };
+    for_each_member([&](int64_t member) {
       at::Tensor into = slot(member, PolarBuffer::kX);
       // To BF16 (nearest even) when the scratch is BF16.
       if (transposed) {
@@ -537,6 +559,28 @@ void polar_express(at::Tensor& x, const std::vector<std::array<float, 3>>& coeff
                      beta == 0.0f ? nullptr : data(addend, op.out.offset), op.out.ld,
                      data(op.out.buffer, op.out.offset), op.out.ld, symmetric, spread);
     };
+    // A kGemm as one BLAS call on the member's FP32 slots (polar_plan.h's
+    // column-major form). Not at::addmm_out: a strided output (a block
+    // triangle's panel) made it compute into a fresh buffer and copy back.
+    auto fp32_gemm = [&](int64_t member, const PolarOp& op, PolarBuffer addend, const std::array<float, 3>& abc) {
+      const float beta = static_cast<float>(polar_scalar_value(op.beta, abc[0], abc[1], abc[2]));
+      at::Tensor out = view_of(slot(member, op.out.buffer), op.out);
+      if (beta != 0.0f && addend != op.out.buffer) out.copy_(view_of(slot(member, addend), op.out));
+      const float alpha = static_cast<float>(polar_scalar_value(op.alpha, abc[0], abc[1], abc[2]));
+      if (sgemm_ == nullptr) {
+        at::addmm_out(out, out, view_of(slot(member, op.lhs.buffer), op.lhs),
+                      view_of(slot(member, op.rhs.buffer), op.rhs), beta, alpha);
+      } else {
+        const ColumnMajorGemm g = to_column_major(op);
+        auto data = [&](PolarBuffer b, int64_t offset) { return slot(member, b).data_ptr<float>() + offset; };
+        const char trans_a = g.trans_a ? 'T' : 'N', trans_b = g.trans_b ? 'T' : 'N';
+        const int m = static_cast<int>(g.m), n = static_cast<int>(g.n), k = static_cast<int>(g.k);
+        const int lda = static_cast<int>(g.lda), ldb = static_cast<int>(g.ldb), ldc = static_cast<int>(g.ldc);
+        sgemm_(&trans_a, &trans_b, &m, &n, &k, &alpha, data(g.a, g.a_offset), &lda, data(g.b, g.b_offset), &ldb,
+               &beta, data(g.c, g.c_offset), &ldc);
+      }
+      round_to(output_rounding, out);
+    };
     // `spread`: called outside the threads' tasks, a GEMM shares its tiles among them.
     auto execute = [&](int64_t member, const PolarOp& op, PolarBuffer addend, bool spread = false) {
       const std::array<float, 3>& abc = coefficients[op.step];
@@ -546,12 +590,16 @@ void polar_express(at::Tensor& x, const std::vector<std::array<float, 3>>& coeff
             tile_gemm(member, op, addend, abc, spread);
             break;
           }
+          if (!native) {
+            fp32_gemm(member, op, addend, abc);
+            break;
+          }
+          // BF16 slots off the micro-kernel: oneDNN through at::addmm_out.
           at::Tensor out = view_of(slot(member, op.out.buffer), op.out);
           const at::Tensor self = addend == op.out.buffer ? out : view_of(slot(member, addend), op.out);
           at::addmm_out(out, self, view_of(slot(member, op.lhs.buffer), op.lhs),
                         view_of(slot(member, op.rhs.buffer), op.rhs), polar_scalar_value(op.beta, abc[0], abc[1], abc[2]),
                         polar_scalar_value(op.alpha, abc[0], abc[1], abc[2]));
-          round_to(output_rounding, out);
           break;
         }
         case PolarOp::Kind::kCopy:
@@ -566,9 +614,7 @@ void polar_express(at::Tensor& x, const std::vector<std::array<float, 3>>& coeff
           break;
       }
     };
-    const bool whole_matrix_stages =
-        std::all_of(stages.begin(), stages.end(), [](const CpuStage& stage) { return stage.ops.size() == 1; });
-    if (members > 1 && (whole_matrix_stages || (members == group && group == at::get_num_threads()))) {
+    if (matrix_per_thread) {
       // A matrix per thread, start to end (every thread has one, or each
       // stage is one call that no thread could share): no barrier between
       // stages, and a matrix's scratch stays in its thread's cache. The same calls on the
@@ -584,6 +630,11 @@ void polar_express(at::Tensor& x, const std::vector<std::array<float, 3>>& coeff
       // or on the micro-kernel, with fewer panels than threads, each GEMM's tiles.
       for (const CpuStage& stage : stages) {
         const int64_t ops = static_cast<int64_t>(stage.ops.size());
+        if (stage.ops.front().kind != PolarOp::Kind::kGemm) {
+          // A copy, mirror or identity add (a stage alone): see for_each_member.
+          for (int64_t member = 0; member < members; ++member) execute(member, stage.ops.front(), stage.addend);
+          continue;
+        }
         if (tiles && members * ops < at::get_num_threads()) {
           for (int64_t task = 0; task < members * ops; ++task) {
             execute(task / ops, stage.ops[task % ops], stage.addend, /*spread=*/true);
@@ -596,7 +647,7 @@ void polar_express(at::Tensor& x, const std::vector<std::array<float, 3>>& coeff
         });
       }
     }
-    run_tasks(members, [&](int64_t member) {
+    for_each_member([&](int64_t member) {
       if (transposed) {
         transpose_from_bf16(static_cast<const uint16_t*>(slot(member, PolarBuffer::kX).const_data_ptr()), cols, rows,
                             flat_x[first + member].data_ptr<float>());
@@ -982,7 +1033,8 @@ void muon_step(const MuonBucket& b, const MuonStepOptions& o) {
   const int64_t per_matrix_bytes = int64_t(sizeof(float)) * (n + b.stat_length());
   const int64_t chunk = std::max<int64_t>(1, o.max_workspace_bytes / std::max<int64_t>(per_matrix_bytes, 1));
   const int64_t total = static_cast<int64_t>(all.size());
-  at::Tensor workspace = at::empty({std::min(chunk, total), b.rows, b.cols}, b.params[0].options().dtype(at::kFloat));
+  const ScratchLease workspace_lease(ScratchSlot::kMuonWorkspace, {std::min(chunk, total), b.rows, b.cols}, at::kFloat);
+  const at::Tensor& workspace = workspace_lease.tensor();
   std::vector<float> mult;
   for (int64_t first = 0; first < total; first += chunk) {
     const std::vector<MatrixRef> mats(all.begin() + first, all.begin() + std::min(first + chunk, total));
