@@ -203,10 +203,13 @@ T* aligned_scratch(std::vector<T>& storage, int64_t n) {
   return reinterpret_cast<T*>((address + 63) & ~uintptr_t(63));
 }
 
-// out(i, j) := out(j, i) for i > j (n a multiple of 16): 16 x 16 blocks
-// transposed in registers, the diagonal blocks element by element.
-__attribute__((target("avx512f,avx512bw"))) void mirror_lower(uint16_t* out, int64_t n, int64_t ld) {
-  for (int64_t i0 = 0; i0 < n; i0 += 16) {
+// out(i, j) := out(j, i) for i > j in the row blocks [first, last) of 16
+// rows (n a multiple of 16): 16 x 16 blocks transposed in registers, the
+// diagonal blocks element by element. Row blocks write disjoint rows and read
+// only the upper triangle, so any of them may run concurrently.
+__attribute__((target("avx512f,avx512bw"))) void mirror_lower_rows(uint16_t* out, int64_t ld, int64_t first,
+                                                                  int64_t last) {
+  for (int64_t i0 = first * 16; i0 < last * 16; i0 += 16) {
     for (int64_t j0 = 0; j0 < i0; j0 += 16) {
       __m512i r[16];
       for (int i = 0; i < 16; ++i) {
@@ -253,18 +256,22 @@ void bf16_tile_gemm(int64_t m, int64_t n, int64_t k, float alpha, const uint16_t
   uint16_t* const packed = aligned_scratch(packed_storage, chunk_cols * k);
   const auto* a = reinterpret_cast<const c10::BFloat16*>(lhs);
   const int64_t row_tiles = (m + tile_rows - 1) / tile_rows;
+  std::vector<int64_t> tiles;  // the chunk's tiles not wholly below the diagonal, row tile by row tile
   for (int64_t n0 = 0; n0 < n; n0 += chunk_cols) {
     const int64_t chunk = std::min(chunk_cols, n - n0);
-    pack_chunk(rhs, k, n0, chunk, packed);
     const int64_t col_tiles = (chunk + kTileCols - 1) / kTileCols;
-    // Tiles [first, last) of the chunk, row tile by row tile: the same calls
-    // on whichever thread, so the same bits.
+    tiles.clear();
+    for (int64_t t = 0; t < row_tiles * col_tiles; ++t) {
+      const int64_t m0 = (t / col_tiles) * tile_rows, col = n0 + (t % col_tiles) * kTileCols;
+      if (!symmetric || col + std::min(kTileCols, n0 + chunk - col) > m0) tiles.push_back(t);  // else mirrored below
+    }
+    // Tiles [first, last) of the list: the same calls on whichever thread, so the same bits.
     auto run_tiles = [&](int64_t first, int64_t last) {
       float* const acc = aligned_scratch(accumulator_storage, tile_rows * kTileCols);
-      for (int64_t t = first; t < last; ++t) {
+      for (int64_t i = first; i < last; ++i) {
+        const int64_t t = tiles[i];
         const int64_t m0 = (t / col_tiles) * tile_rows, c = (t % col_tiles) * kTileCols;
         const int64_t h = std::min(tile_rows, m - m0), col = n0 + c, w = std::min(kTileCols, chunk - c);
-        if (symmetric && col + w <= m0) continue;  // wholly below the diagonal: mirrored below
         at::native::cpublas::brgemm(h, w, k, ld_lhs, w, w, /*add_C=*/false, a + m0 * ld_lhs,
                                     reinterpret_cast<const c10::BFloat16*>(packed + c * k), acc,
                                     /*is_vnni=*/true);
@@ -272,16 +279,36 @@ void bf16_tile_gemm(int64_t m, int64_t n, int64_t k, float alpha, const uint16_t
                    out + m0 * ld_out + col, ld_out);
       }
     };
+    const int64_t listed = static_cast<int64_t>(tiles.size());
     if (spread_over_threads) {
-      at::parallel_for(0, row_tiles * col_tiles, 1, [&](int64_t first, int64_t last) {
+      // The threads pack the chunk's column blocks (each block's layout does
+      // not depend on the others), then share its tiles, equal counts each.
+      at::parallel_for(0, col_tiles, 1, [&](int64_t first, int64_t last) {
+        for (int64_t b = first; b < last; ++b) {
+          const int64_t c = b * kTileCols;
+          pack_chunk(rhs, k, n0 + c, std::min(kTileCols, chunk - c), packed + c * k);
+        }
+      });
+      at::parallel_for(0, listed, 1, [&](int64_t first, int64_t last) {
         run_tiles(first, last);
         bf16_tile_gemm_release();
       });
     } else {
-      run_tiles(0, row_tiles * col_tiles);
+      pack_chunk(rhs, k, n0, chunk, packed);
+      run_tiles(0, listed);
     }
   }
-  if (symmetric) mirror_lower(out, m, ld_out);
+  if (!symmetric) return;
+  const int64_t row_blocks = m / 16;
+  if (!spread_over_threads) return mirror_lower_rows(out, ld_out, 0, row_blocks);
+  // Row block i has i blocks to transpose: taken in the order 0, last, 1,
+  // last - 1, ..., so each thread's contiguous share holds about equal work.
+  at::parallel_for(0, row_blocks, 1, [&](int64_t first, int64_t last) {
+    for (int64_t i = first; i < last; ++i) {
+      const int64_t block = i % 2 == 0 ? i / 2 : row_blocks - 1 - i / 2;
+      mirror_lower_rows(out, ld_out, block, block + 1);
+    }
+  });
 }
 
 __attribute__((target("avx512f,avx512bw"))) void transpose_to_bf16(const float* in, int64_t rows, int64_t cols,

@@ -179,6 +179,14 @@ extern "C" void sgemm_(const char* trans_a, const char* trans_b, const int* m, c
 class SequentialBlas {
  public:
   SequentialBlas() {
+    // torch sets a thread's MKL and OpenMP thread counts at its first
+    // parallel call (at::init_num_threads, once per thread; after an explicit
+    // torch.set_num_threads, to that count). In a fresh worker thread (a new
+    // caller's team) that came after the settings below and undid them: MKL
+    // split that call's GEMM and changed its bits. So it runs first, through
+    // the flag this library inlines and the one in libtorch.
+    at::internal::lazy_init_num_threads();
+    (void)at::get_num_threads();
     if (MKL_Set_Num_Threads_Local != nullptr) MKL_Set_Num_Threads_Local(1);
 #ifdef _OPENMP
     omp_threads_ = omp_get_max_threads();

@@ -175,3 +175,35 @@ def test_kernel_restores_mkl_thread_count():
     assert lib.MKL_Get_Max_Threads() == 3
     torch.set_num_threads(2)
     assert lib.MKL_Get_Max_Threads() == 2
+
+
+def test_a_fresh_threads_first_call_after_set_num_threads_gets_the_same_bits():
+    """torch sets each thread's MKL thread count at its first parallel call
+    once torch.set_num_threads was called; in a new caller's fresh worker
+    threads that came after the kernel's one-thread setting and split that
+    call's GEMMs (different bits in about one first call of a hundred)."""
+    import threading
+
+    x = torch.randn(2, 128, 512, generator=torch.Generator().manual_seed(2))
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        torch.set_num_threads(2)
+        expected = x.clone()
+        ops.muon_orthogonalize([expected], beta2=None, polar_dtype="float32")
+        outs = []
+
+        def first_call():
+            out = x.clone()
+            ops.muon_orthogonalize([out], beta2=None, polar_dtype="float32")
+            outs.append(out)
+
+        for _ in range(120):  # one at a time: each a new thread with a new team of workers
+            t = threading.Thread(target=first_call)
+            t.start()
+            t.join(timeout=60)
+        assert len(outs) == 120
+        for out in outs:
+            assert_bit_equal(out, expected, "first call in a new thread")
+    finally:
+        torch.set_num_threads(before)
