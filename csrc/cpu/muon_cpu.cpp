@@ -119,13 +119,19 @@ void scale_by_input_norm(float* xs, int64_t count, int64_t n, const std::vector<
   });
 }
 
+// The instruction sets Muon's elementwise passes are cloned for (GCC picks
+// one at load time). AVX-512 with BW, not F alone: the BF16 grad loads and
+// the remainder split and merge are 16-bit lane operations, which AVX-512F
+// has only at 256 bits, so an "avx512f" clone ran them on half-width vectors.
+#define MUON_EXT_ISA_CLONES __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+
 // Momentum and Nesterov over elements [begin, end) of one matrix (grad and
 // mom at `offset`), into out; returns the sum of squares of what it wrote.
 // Cloned per instruction set, as torch's kernels are: the baseline build
 // would run it one scalar at a time; the same IEEE operations in every clone
 // (no contraction, sum_of_squares' eight fixed chains), so the same bits.
 template <ScalarKind G>
-__attribute__((target_clones("avx512f", "avx2", "default"))) double momentum_range(
+MUON_EXT_ISA_CLONES double momentum_range(
     const void* grad, float* mom, float* out, int64_t offset, int64_t begin, int64_t end, float inv_scale, float mu,
     bool nesterov) {
   for (int64_t k = begin; k < end; ++k) {
@@ -701,7 +707,7 @@ __attribute__((always_inline)) inline void normuon_matrix_multipliers(int64_t ro
 
 // normuon_matrix_multipliers cloned per instruction set (its sums are fixed
 // chains in double, its per-element math IEEE without contraction: same bits).
-__attribute__((target_clones("avx512f", "avx2", "default"))) void normuon_matrix_multipliers_simd(
+MUON_EXT_ISA_CLONES void normuon_matrix_multipliers_simd(
     int64_t rows, int64_t cols, float beta2, const float* xm, float* smb, float* out, double* sums) {
   normuon_matrix_multipliers(rows, cols, beta2, xm, smb, out, sums);
 }
@@ -769,7 +775,7 @@ __attribute__((always_inline)) inline void apply_range(void* param, void* master
 
 // apply_range cloned per instruction set (as momentum_range): same bits.
 template <ScalarKind P, MasterMode M>
-__attribute__((target_clones("avx512f", "avx2", "default"))) void apply_range_simd(
+MUON_EXT_ISA_CLONES void apply_range_simd(
     void* param, void* master, const float* x, const float* mult, bool per_row, int64_t cols, int64_t offset,
     int64_t begin, int64_t end, float lr, float lr_wd) {
   apply_range<P, M>(param, master, x, mult, per_row, cols, offset, begin, end, lr, lr_wd);
@@ -892,7 +898,7 @@ struct SmallBuffers {
 // instruction set: the elementwise loops (momentum, norms, apply) vectorize
 // with the widest the CPU has; the same IEEE operations, so the same bits.
 template <ScalarKind G, ScalarKind P, MasterMode M>
-__attribute__((target_clones("avx512f", "avx2", "default"))) void small_step_run(const SmallStep& s, int64_t begin,
+MUON_EXT_ISA_CLONES void small_step_run(const SmallStep& s, int64_t begin,
                                                                                 int64_t end, SmallBuffers& buf) {
   const int64_t n = s.n, len = s.len, first_param = std::upper_bound(s.starts.begin(), s.starts.end(), begin) -
                                                         s.starts.begin() - 1;

@@ -30,9 +30,11 @@ __all__ = ["SETTINGS", "group_digests", "agree", "agree_over_params", "step_dige
            "share_failures", "RemoteWriterFailure"]
 
 # Every setting of either kind, plus the group's kind and its params' layout.
-# With the optional Muon keys that shape a step's exchanges (row blocks cut the owners' matrices).
+# With the optional Muon keys that shape a step's exchanges (row blocks cut the owners' matrices),
+# and CPU_POLAR_GEMM: not a group key but this rank's CPU BF16 GEMM path for the group (see cpu_polar_gemm).
+CPU_POLAR_GEMM = "cpu_polar_gemm"
 SETTINGS: Tuple[str, ...] = ("kind", "params") + tuple(sorted(set(DEFAULTS["muon"]) | set(DEFAULTS["adamw"]))) + (
-    "row_blocks", "row_block_scales", "split_polar")
+    "row_blocks", "row_block_scales", "split_polar", CPU_POLAR_GEMM)
 
 # Not in the step's digest: the params' layout cannot change after construction (the planner refuses
 # edited groups) and costs O(params) to hash; a tensor lr would need a host read (and lr never shapes a collective).
@@ -58,12 +60,39 @@ def _hash(value) -> int:
     return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=8).digest(), "little") >> 2
 
 
+def cpu_polar_gemm() -> tuple:
+    """This process's CPU Polar-Express GEMM path for polar_dtype "bfloat16":
+    (ops.cpu_bf16_gemm(), ops.cpu_bf16_tile_gemm()). Each choice has its own
+    summation order, so ranks on different paths compute different bits for
+    the same matrix: replicas would drift apart without an error. Both follow
+    the CPU (AVX-512 BF16, AMX) and MUON_EXT_CPU_BF16_GEMM / MUON_EXT_CPU_TILE_GEMM,
+    which are read per process; an invalid value raises here."""
+    from .. import ops
+    return ops.cpu_bf16_gemm(), ops.cpu_bf16_tile_gemm()
+
+
+def _group_cpu_polar_gemm(group: dict):
+    """cpu_polar_gemm() for a Muon group whose params live on the CPU with polar_dtype "bfloat16"; else None
+    (the GPU path and the FP32 and FP16 paths do not depend on the host's GEMM)."""
+    params = group.get("params", ())
+    if group.get("kind") != "muon" or group.get("polar_dtype", DEFAULTS["muon"]["polar_dtype"]) != "bfloat16":
+        return None
+    if not params or local(params[0]).device.type != "cpu":
+        return None
+    try:
+        return cpu_polar_gemm()
+    except RuntimeError as exc:  # an invalid setting: a value of its own (raising here would leave peers waiting)
+        return ("invalid", str(exc))
+
+
 def group_digests(group: dict, keys: Sequence[str] = SETTINGS) -> List[int]:
     """One digest per entry of `keys` (an absent key hashes as absent)."""
     out = []
     for key in keys:
         if key == "params":
             out.append(_hash(tuple(_layout(p) for p in group.get("params", ()))))
+        elif key == CPU_POLAR_GEMM:
+            out.append(_hash(_group_cpu_polar_gemm(group)))
         else:
             out.append(_hash(_value(group[key]) if key in group else "<absent>"))
     return out
@@ -130,13 +159,23 @@ def agree(what: str, meshes: Sequence, device: torch.device, checks: Callable[[]
                     for r, v in zip(rows[:, 0].tolist(), column.tolist()):
                         values.setdefault(v, []).append(r)
                     ranks = " vs ".join(str(sorted(rs)) for rs in values.values())
-                    thing = "its params (shapes, dtypes, placements)" if key == "params" else f"setting '{key}'"
+                    thing = _what_differs(key)
                     raise ValueError(f"{what}: param group {first_group + gi} differs across ranks in {thing}: ranks {ranks}; "
                                      "every rank must build and load the same groups (their collectives must "
                                      "match); nothing was changed on any rank")
     if error is not None:
         raise error
     return result
+
+
+def _what_differs(key: str) -> str:
+    if key == "params":
+        return "its params (shapes, dtypes, placements)"
+    if key == CPU_POLAR_GEMM:
+        return ("its CPU BF16 GEMM path (ops.cpu_bf16_gemm(), ops.cpu_bf16_tile_gemm(): each sums in its own "
+                "order, so replicas would drift apart; set MUON_EXT_CPU_BF16_GEMM=rounded and "
+                "MUON_EXT_CPU_TILE_GEMM=0 on every rank of a mixed cluster)")
+    return f"setting '{key}'"
 
 
 _STEP_SETTINGS = tuple(key for key in SETTINGS if key not in _PER_CALL_ONLY)

@@ -225,7 +225,8 @@ class DistributedStep:
                                  "ranks; use one on every rank or on none; nothing was written on any rank")
             if mesh.size() * sums[3] != sums[2] * sums[2]:
                 raise ValueError("MuonAdamW.step: the group settings of the DTensor params differ across ranks "
-                                 "(edited on some ranks only?); their exchanges would not match; nothing was "
+                                 "(edited on some ranks only? or a CPU BF16 GEMM path, "
+                                 "agreement.cpu_polar_gemm()); their exchanges would not match; nothing was "
                                  "written on any rank")
             if sums[4]:
                 self.writer_meshes.append((mesh, device))

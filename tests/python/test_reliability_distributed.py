@@ -11,3 +11,22 @@ from support.dist_helpers import spawn
 
 def test_every_call_completes_or_raises_on_every_rank(tmp_path):
     spawn(tmp_path, 2, cases.run_all, timeout_s=240)
+
+
+def test_cpu_polar_gemm_follows_the_settings_and_encodes_an_invalid_one(monkeypatch):
+    """The path agreed on above is read per call: MUON_EXT_CPU_TILE_GEMM=0 turns the tiles off; an invalid
+    value becomes a value of its own (so the ranks disagree instead of one raising before the collective)."""
+    import torch
+
+    from muon_ext import ops
+    from muon_ext.distributed import agreement
+
+    group = {"kind": "muon", "polar_dtype": "bfloat16", "params": [torch.zeros(4, 4)]}
+    assert agreement._group_cpu_polar_gemm(group) == (ops.cpu_bf16_gemm(), ops.cpu_bf16_tile_gemm())
+    assert agreement._group_cpu_polar_gemm(dict(group, polar_dtype="float32")) is None
+    assert agreement._group_cpu_polar_gemm(dict(group, kind="adamw")) is None
+    monkeypatch.setenv("MUON_EXT_CPU_TILE_GEMM", "0")
+    assert agreement.cpu_polar_gemm()[1] is False
+    monkeypatch.setenv("MUON_EXT_CPU_TILE_GEMM", "2")
+    kind, message = agreement._group_cpu_polar_gemm(group)
+    assert kind == "invalid" and "MUON_EXT_CPU_TILE_GEMM must be '0' or '1'" in message

@@ -16,6 +16,7 @@ from torch.distributed.tensor import Replicate, Shard
 from support.distributed_cases import dtensor
 from muon_ext import MuonAdamW
 from muon_ext import state as state_module
+from muon_ext.distributed import agreement
 from muon_ext.writers import ParamWriterError
 from support.optimizer_snapshot import snapshot
 
@@ -132,6 +133,19 @@ def differing_settings_are_refused_at_construction(rank, world, mesh):
     v = torch.nn.Parameter(dtensor(_values(shape, 3), mesh, [Shard(0)]))
     _expect_everywhere(rank, lambda: MuonAdamW([{"params": [v], "kind": "muon"}], adapters=False),
                        r"differs across ranks in its params \(shapes, dtypes, placements\)", "")
+    # A rank on another CPU BF16 GEMM path (no AMX there, or MUON_EXT_CPU_TILE_GEMM=0 on it alone) would sum in
+    # another order: its replicas would drift apart. The path is the host's, so rank 1 pretends.
+    original = agreement.cpu_polar_gemm
+    if rank == 1:
+        agreement.cpu_polar_gemm = lambda: ("rounded", False)
+    try:
+        _expect_everywhere(rank, lambda: MuonAdamW([{"params": [w], "kind": "muon"}], adapters=False),
+                           r"param group 0 differs across ranks in its CPU BF16 GEMM path .*"
+                           r"MUON_EXT_CPU_BF16_GEMM=rounded", "")
+        # Not where the path does not matter: the FP32 polar_dtype.
+        MuonAdamW([{"params": [w], "kind": "muon", "polar_dtype": "float32"}], adapters=False)
+    finally:
+        agreement.cpu_polar_gemm = original
     lr = -1.0 if rank == 1 else 0.02  # refused by rank 1's own checks: rank 0 must not wait
     _expect_everywhere(rank, lambda: MuonAdamW([{"params": [w], "kind": "muon", "lr": lr}], adapters=False),
                        "lr", r"refused on rank\(s\) \[1\]", on_ranks=[1])
@@ -160,6 +174,14 @@ def step_refuses_divergent_settings_and_one_sided_grad_scaler(rank, world, mesh)
     _expect_everywhere(rank, opt.step, "group settings of the DTensor params differ across ranks", "")
     assert snapshot(opt)["params"] == before["params"]  # the groups hold the edit
     opt.param_groups[0]["beta2"] = 0.95
+    original = agreement.cpu_polar_gemm
+    if rank == 0:  # as MUON_EXT_CPU_TILE_GEMM=0 set on one rank between steps does on an AMX host
+        agreement.cpu_polar_gemm = lambda: (original()[0], "changed")
+    try:
+        _expect_everywhere(rank, opt.step, r"differ across ranks \(edited on some ranks only\? or a CPU BF16 GEMM path", "")
+    finally:
+        agreement.cpu_polar_gemm = original
+    assert snapshot(opt)["params"] == before["params"]
     opt.step()  # in step again
 
 
