@@ -898,8 +898,7 @@ struct SmallBuffers {
 // instruction set: the elementwise loops (momentum, norms, apply) vectorize
 // with the widest the CPU has; the same IEEE operations, so the same bits.
 template <ScalarKind G, ScalarKind P, MasterMode M>
-MUON_EXT_ISA_CLONES void small_step_run(const SmallStep& s, int64_t begin,
-                                                                                int64_t end, SmallBuffers& buf) {
+MUON_EXT_ISA_CLONES void small_step_run(const SmallStep& s, int64_t begin, int64_t end, SmallBuffers& buf) {
   const int64_t n = s.n, len = s.len, first_param = std::upper_bound(s.starts.begin(), s.starts.end(), begin) -
                                                         s.starts.begin() - 1;
   float* const u = buf.x.data();
