@@ -82,10 +82,26 @@ if wants build; then
   "$PY" -c 'import muon_ext, sys; sys.exit(not muon_ext._C.with_cuda)' >> "$LOG" 2>&1 \
     || { echo "===== the build has no CUDA kernels (CUDA_HOME=$CUDA_HOME)" >> "$LOG"; exit 1; }
 fi
+# The toolchain the build used. On the first H200 run (2026-12-04) the image's
+# /opt/gcc/bin/g++ put libstdc++'s own code into _C.so (codecvt internals in a
+# backtrace): ostream number formatting in _C.so then crashed (a SIGSEGV in
+# checks::storage_problem), one copy of the library reading the other's locale.
+{
+  echo "===== toolchain: CXX=${CXX:-unset} c++=$(command -v c++) g++=$(command -v g++)"
+  c++ --version 2>&1 | head -1
+  SO=$(ls muon_ext/_C*.so 2>/dev/null | head -1)
+  if [ -n "$SO" ] && command -v nm > /dev/null; then
+    copies=$(nm -C "$SO" 2>/dev/null | grep -c "read_utf8_code_point")
+    echo "libstdc++ internals linked into $SO: $copies symbol(s)$([ "$copies" -gt 0 ] && echo ' (statically linked libstdc++: expect crashes in error messages)')"
+  fi
+} >> "$LOG" 2>&1
 if wants tests; then
   # pytest-timeout, where installed, fails a hanging test instead of losing the whole stage.
   TIMEOUT_ARGS=()
   "$PY" -c 'import pytest_timeout' 2>/dev/null && TIMEOUT_ARGS=(--timeout=120)
+  # pytest-xdist, where installed: a test that crashes its process takes one
+  # worker down, not the run and its report (the first H200 run lost both).
+  "$PY" -c 'import xdist' 2>/dev/null && TIMEOUT_ARGS+=(-n 4)
   stage gpu_tests 240 "$PY" -m pytest tests/python -m gpu -q -rA -p no:cacheprovider --durations=15 \
     ${TIMEOUT_ARGS[@]+"${TIMEOUT_ARGS[@]}"} --junitxml="$OUT/gpu_tests.xml"
   "$PY" - "$OUT/gpu_tests.xml" "$OUT/gpu_tests.json" <<'PYEOF'

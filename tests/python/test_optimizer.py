@@ -965,9 +965,11 @@ def test_cuda_matches_cpu(config):
 def test_grad_scaler_cuda_inf_skips_and_finite_equals_unscaled():
     """GradScaler("cuda"): an inf in one Muon grad leaves every tensor
     bit-identical; with finite grads and a power-of-two scale the run equals
-    an unscaled run bit for bit (Muon momentum included)."""
-    params, opt = _build("cuda")
-    plain, opt_plain = _build("cuda")
+    an unscaled run bit for bit (Muon momentum included). FP16 params, the
+    dtype GradScaler is for: its CUDA inf check, which GradScaler runs on the
+    grads before our step, has no BF16 kernel (NotImplementedError in torch)."""
+    params, opt = _build("cuda", torch.float16)
+    plain, opt_plain = _build("cuda", torch.float16)
     scaler = torch.amp.GradScaler("cuda", init_scale=2.0**12)
     for k in range(2):
         scaler.scale(torch.ones((), device="cuda"))
@@ -993,8 +995,9 @@ def test_grad_scaler_cuda_inf_skips_and_finite_equals_unscaled():
 @pytest.mark.gpu
 def test_step_never_syncs_the_host():
     """opt.step() under torch.cuda.set_sync_debug_mode("error"), called by
-    GradScaler.step with float lrs, for Muon and AdamW buckets, every step."""
-    params, opt = _build("cuda")
+    GradScaler.step with float lrs, for Muon and AdamW buckets, every step
+    (FP16 params: GradScaler's CUDA inf check has no BF16 kernel)."""
+    params, opt = _build("cuda", torch.float16)
     scaler = torch.amp.GradScaler("cuda", init_scale=2.0**8)
     unchecked_step = opt.step
 

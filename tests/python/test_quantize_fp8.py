@@ -490,6 +490,11 @@ def test_writer_runs_on_the_given_stream():
     q_out, scale_inv_out = torch.zeros(512, 256, dtype=E4M3, device="cuda"), torch.zeros(4, 2, device="cuda")
     writer = quantized.Fp8Writer(q_out, scale_inv_out)
     stream = torch.cuda.Stream()
+    # Every kernel launched below, once before the sleep: with CUDA's lazy module
+    # loading, a kernel's first launch may wait for the whole device (the sleep
+    # included), which made the check below see the writer's output.
+    quantized.quantize_fp8(master, found_inf=torch.zeros(1, device="cuda"))
+    bool(q_out.view(torch.uint8).any())
     torch.cuda.synchronize()
     with torch.cuda.stream(stream):
         torch.cuda._sleep(1 << 30)  # about half a second of work queued on `stream` first

@@ -332,8 +332,8 @@ def test_fp8_writer_keeps_an_inference_copy_of_a_released_param():
 CUDA_SHAPES = [(64, 128), (64, 128), (96,)]
 
 
-def _build(device):
-    params = [torch.nn.Parameter(v.bfloat16().to(device)) for v in bf16_values(CUDA_SHAPES, seed=2)]
+def _build(device, dtype=torch.bfloat16):
+    params = [torch.nn.Parameter(v.to(dtype).to(device)) for v in bf16_values(CUDA_SHAPES, seed=2)]
     groups = [{"params": params[:2], "kind": "muon", "lr": 0.02},
               {"params": params[2:], "kind": "adamw", "lr": 0.01}]
     return params, muon_ext.MuonAdamW(groups, adapters=False)
@@ -391,13 +391,15 @@ def test_writer_on_current_stream_without_host_sync_and_equal_to_cpu():
 
 @pytest.mark.gpu
 def test_grad_scaler_skip_reaches_writer_on_device():
-    params, opt = _build("cuda")
+    """FP16 params: GradScaler's CUDA inf check has no BF16 kernel."""
+    params, opt = _build("cuda", torch.float16)
     writer = StreamRecorder(params[0].shape, "cuda")
     opt.register_param_writer(params[0], writer)
     scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 4)
+    scaler.scale(torch.ones((), device="cuda"))  # GradScaler refuses step() before a scale()
     before = writer.out.clone()
     for p, g in zip(params, grad_seq(CUDA_SHAPES, 1)[0]):
-        p.grad = g.bfloat16().cuda()
+        p.grad = g.half().cuda()
     params[1].grad[0, 0] = float("inf")
     scaler.step(opt)
     scaler.update()
