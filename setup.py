@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 os.environ.setdefault("CUDA_HOME", "/usr/local/cuda")
@@ -92,18 +93,25 @@ class BuildExtension(cpp_extension.BuildExtension):
         super().build_extensions()
 
     def _compile_isa_kernels(self, ext):
-        objects = []
-        for isa, isa_flags in _isa_variants():
-            out_dir = os.path.join(self.build_temp, f"isa_{isa.lower()}")
-            macros = [("CPU_CAPABILITY", isa), (f"CPU_CAPABILITY_{isa}", None)]
-            objects += self.compiler.compile(
-                ISA_KERNEL_SOURCES,
-                output_dir=out_dir,
-                macros=macros,
+        """Every (instruction set, source) pair compiled in parallel, MAX_JOBS at
+        a time as torch's ninja build does (polar_small_kernel.cpp alone takes
+        tens of seconds per instruction set: one after another they were a large
+        part of a GPU machine's build)."""
+
+        def compile_one(isa, isa_flags, source):
+            return self.compiler.compile(
+                [source],
+                output_dir=os.path.join(self.build_temp, f"isa_{isa.lower()}"),
+                macros=[("CPU_CAPABILITY", isa), (f"CPU_CAPABILITY_{isa}", None)],
                 include_dirs=ext.include_dirs,
                 extra_postargs=CXX_FLAGS + ["-fPIC", _abi_flag()] + isa_flags,
             )
-        return objects
+
+        jobs = [(isa, flags, source) for isa, flags in _isa_variants() for source in ISA_KERNEL_SOURCES]
+        workers = int(os.environ.get("MAX_JOBS") or os.cpu_count() or 1)
+        with ThreadPoolExecutor(max_workers=max(1, min(workers, len(jobs)))) as pool:
+            # Threads suffice: each job waits on a compiler process. map keeps the link order.
+            return [obj for objects in pool.map(lambda job: compile_one(*job), jobs) for obj in objects]
 
 
 def _write_build_info(with_cuda: bool):

@@ -23,6 +23,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 import torch
 import torch.distributed as dist
 
+from .. import ops
 from ..schema import DEFAULTS
 from .placements import local
 
@@ -67,7 +68,6 @@ def cpu_polar_gemm() -> tuple:
     the same matrix: replicas would drift apart without an error. Both follow
     the CPU (AVX-512 BF16, AMX) and MUON_EXT_CPU_BF16_GEMM / MUON_EXT_CPU_TILE_GEMM,
     which are read per process; an invalid value raises here."""
-    from .. import ops
     return ops.cpu_bf16_gemm(), ops.cpu_bf16_tile_gemm()
 
 
