@@ -76,6 +76,29 @@ if ! wants build && ! "$PY" -c 'import muon_ext, sys; sys.exit(not muon_ext._C.w
   echo "===== no CUDA build of muon_ext here (a fresh machine?): building first" >> "$LOG"
   STAGES_WANTED="build $STAGES_WANTED"
 fi
+# A compiler that links libstdc++ statically into shared objects gives _C.so
+# a second copy of the library beside the one torch loads: on the first H200
+# run (2026-12-04) number formatting in _C.so then crashed. Probed with a
+# one-line shared object (about a second); the system g++ is used instead
+# where it links libstdc++ as a shared library. MUON_EXT_KEEP_CXX=1 keeps CXX.
+dynamic_libstdcxx() {  # COMPILER OUT.so: builds a probe; true if it needs libstdc++.so
+  "$1" -shared -fPIC -x c++ - -o "$2" 2>/dev/null <<'CPP' && ldd "$2" | grep -q 'libstdc++'
+#include <sstream>
+#include <string>
+std::string format(unsigned long n) { std::ostringstream out; out << n; return out.str(); }
+CPP
+}
+if wants build && [ -z "${MUON_EXT_KEEP_CXX:-}" ] && command -v ldd > /dev/null; then
+  PROBE=$(mktemp -d)
+  if ! dynamic_libstdcxx "${CXX:-c++}" "$PROBE/default.so"; then
+    echo "===== ${CXX:-c++} does not link libstdc++ as a shared library" >> "$LOG"
+    if [ -x /usr/bin/g++ ] && [ -x /usr/bin/gcc ] && dynamic_libstdcxx /usr/bin/g++ "$PROBE/system.so"; then
+      export CXX=/usr/bin/g++ CC=/usr/bin/gcc
+      echo "===== building with CXX=$CXX CC=$CC instead" >> "$LOG"
+    fi
+  fi
+  rm -rf "$PROBE"
+fi
 if wants build; then
   stage build 300 "$PY" -m pip install --no-build-isolation --no-deps -v -e . || exit 1
   # setup.py builds CPU-only when it finds no nvcc: every GPU stage would then fail obscurely.
