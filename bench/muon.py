@@ -5,7 +5,10 @@ in interleaved rounds (one step of every contender in turn, after each one's own
 warm-up steps), so a change in host load between contenders hits them alike.
 Reports seconds per step (median over the rounds, with min and max) and ratios
 of medians; on GPU also the Polar-Express FLOP rate against a plain batched
-BF16 GEMM measured in the same run.
+BF16 GEMM measured in the same run, and `fraction_of_same_gemms`: the step's
+time against its Polar-Express GEMMs alone on the same shapes (torch.bmm /
+baddbmm, interleaved as a contender), which tells cuBLAS's own rate on small
+shapes apart from the time the rest of the step takes.
 Usage: python bench/muon.py [--device cuda] [--out results.json] [--avx2-host] [--rounds N]
 
 On the CPU, compare `environment.gemm_flops_per_s`: torch.optim.Muon and the seed
@@ -98,6 +101,34 @@ def torch_muon_step(shapes, device):
     return torch.optim.Muon(make_params(shapes, device), lr=0.02, weight_decay=0.1).step
 
 
+def same_gemms_step(shapes, device, ns_steps=5):
+    """CUDA: the GEMMs of our BF16 Polar-Express alone, per same-shape bucket:
+    torch.bmm / baddbmm on the same shapes (X X^T, c A A + b A, B X + a X per
+    iteration, the coefficients in the GEMMs' epilogues as cuBLAS runs them).
+    This shape's own GEMM rate: a step slower than it is slowed by the rest."""
+    buckets = []
+    gen = torch.Generator(device=device).manual_seed(0)
+    for group in by_shape(shapes):
+        rows, cols = group[0]
+        s, l = min(rows, cols), max(rows, cols)
+        x = torch.randn(len(group), s, l, device=device, generator=gen)
+        x = (x / x.flatten(1).norm(dim=1).view(-1, 1, 1)).bfloat16()
+        gram = torch.empty(len(group), s, s, device=device, dtype=torch.bfloat16)
+        buckets.append((x, torch.empty_like(x), gram, torch.empty_like(gram)))
+    a, b, c = 3.4445, -4.7750, 2.0315  # a quintic Newton-Schulz step: values stay bounded
+
+    def step():
+        for x, out, gram, poly in buckets:
+            src, dst = x, out
+            for _ in range(ns_steps):
+                torch.bmm(src, src.transpose(1, 2), out=gram)
+                torch.baddbmm(gram, gram, gram, beta=b, alpha=c, out=poly)
+                torch.baddbmm(src, poly, src, beta=a, out=dst)
+                src, dst = dst, src
+
+    return step
+
+
 def gemm_rate(device, b=8, n=4096):
     x = torch.randn(b, n, n, device=device, dtype=torch.bfloat16)
     seconds = time_fn(lambda: torch.bmm(x, x), device, warmup=3, iters=10)
@@ -150,6 +181,8 @@ def main():
         for blocks in ((2, 4, 8) if device.type == "cuda" else (1,)):
             builders[f"ours_bf16_remainder_row_blocks_{blocks}"] = (
                 lambda blocks=blocks: ours_step(shapes, device, "bf16_remainder", blocks))
+        if device.type == "cuda":  # the CPU's per-shape probe is bench/polar_rate.py
+            builders["same_gemms_bf16"] = lambda: same_gemms_step(shapes, device)
         steps = {key: guarded(f"{name}/{key}", build) if build is not None else None for key, build in builders.items()}
         # Each contender keeps its own params and state; warm-up steps first (the
         # seed's compilation, the thread pool, lazily made state), then `rounds`
@@ -179,6 +212,9 @@ def main():
         achieved = flops / seconds["ours_bf16_remainder"]
         if device.type == "cuda":
             case["fraction_of_bf16_gemm_rate"] = achieved / results["bf16_bmm_flops_per_s"]
+            if seconds.get("same_gemms_bf16"):
+                # Our whole step against its GEMMs alone on the same shapes: 1 would be GEMM-bound.
+                case["fraction_of_same_gemms"] = seconds["same_gemms_bf16"] / seconds["ours_bf16_remainder"]
         else:
             # On the CPU the BF16 path runs oneDNN BF16 GEMMs only where the CPU has
             # them (muon_ext.ops.cpu_bf16_gemm() == "native"), else FP32 GEMMs.
