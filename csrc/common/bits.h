@@ -34,12 +34,34 @@ MUON_HD float bits_to_float(uint32_t u) {
 
 MUON_HD float bf16_bits_to_float(uint16_t h) { return bits_to_float(uint32_t(h) << 16); }
 
+// The round-to-nearest-even step of FP32 -> BF16 on the bits u of a non-NaN
+// FP32: the BF16 in the high half, the low half zero (a carry out of the
+// mantissa rounds up the exponent; the largest finite values round to inf).
+// A template so that the vector kernels (GCC vectors of uint32_t:
+// cpu/polar_small_kernel.cpp, cpu/bf16_tile_gemm.cpp) share this one line.
+// Always inlined on the host: those files compile it for several instruction
+// sets, and an out-of-line copy (one name for all of them) could run AVX-512
+// code on a CPU without it; inlined, the vector ABI warning does not apply.
+#if defined(__CUDACC__)
+template <class Bits>
+MUON_HD Bits bf16_rne_high_bits(Bits u) {
+  return (u + (0x7FFFu + ((u >> 16) & 1u))) & 0xFFFF0000u;
+}
+#else
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"
+template <class Bits>
+inline __attribute__((always_inline)) Bits bf16_rne_high_bits(Bits u) {
+  return (u + (0x7FFFu + ((u >> 16) & 1u))) & 0xFFFF0000u;
+}
+#pragma GCC diagnostic pop
+#endif
+
 // Round-to-nearest-even FP32 -> BF16, as c10::BFloat16 does.
 MUON_HD uint16_t float_to_bf16_bits_rne(float x) {
   const uint32_t u = float_to_bits(x);
   if ((u & 0x7FFFFFFFu) > 0x7F800000u) return uint16_t(0x7FC0);
-  const uint32_t rounding_bias = 0x7FFFu + ((u >> 16) & 1u);
-  return uint16_t((u + rounding_bias) >> 16);
+  return uint16_t(bf16_rne_high_bits(u) >> 16);
 }
 
 // IEEE binary16 -> FP32 (exact).

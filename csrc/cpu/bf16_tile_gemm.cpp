@@ -12,10 +12,15 @@
 #include <string>
 #include <vector>
 
+#include "../common/bits.h"
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 #endif
 
+// round_to_bf16 hands 16-lane vectors to bits.h's always-inlined rule inside
+// this file's AVX-512 functions only: the vector ABI is never used.
+#pragma GCC diagnostic ignored "-Wpsabi"
 
 namespace muon_ext {
 namespace cpu {
@@ -75,9 +80,8 @@ __attribute__((target("avx512f"), always_inline)) inline void transpose_16x16(__
 // 16 FP32 values rounded to BF16, nearest even, NaN to 0x7FC0: the bits of
 // float_to_bf16_bits_rne (bits.h) and of at::Tensor::to(kBFloat16).
 __attribute__((target("avx512f,avx512bw"), always_inline)) inline __m256i round_to_bf16(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb)), 16);
+  typedef uint32_t Bits __attribute__((vector_size(64)));  // bits.h's rule on 16 lanes at once
+  __m512i r = (__m512i)(bf16_rne_high_bits((Bits)_mm512_castps_si512(v)) >> 16);
   r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
   return _mm512_cvtepi32_epi16(r);
 }

@@ -107,8 +107,7 @@ __attribute__((always_inline)) inline bool any_lane(LaneBits mask) {
 __attribute__((always_inline)) inline Lanes round_bf16(Lanes x) {
   const LaneBits u = to_bits(x);
   const LaneBits nan = ~below((LaneMask)(u & 0x7FFFFFFFu), 0x7F800001);
-  const LaneBits rounded = (u + (0x7FFFu + ((u >> 16) & 1u))) & 0xFFFF0000u;
-  return from_bits((rounded & ~nan) | (nan & 0x7FC00000u));
+  return from_bits((bf16_rne_high_bits(u) & ~nan) | (nan & 0x7FC00000u));
 }
 
 // half_bits_to_float(float_to_half_bits_rne(x)) per lane: values in FP16's
@@ -131,8 +130,7 @@ __attribute__((always_inline)) inline Lanes round_fp16(Lanes x) {
 // round_bf16 for finite x: the same bits, and x86's default NaN (the only
 // NaN arithmetic on finite values makes) and infinities stay non-finite.
 __attribute__((always_inline)) inline Lanes round_finite_bf16(Lanes x) {
-  const LaneBits u = to_bits(x);
-  return from_bits((u + (0x7FFFu + ((u >> 16) & 1u))) & 0xFFFF0000u);
+  return from_bits(bf16_rne_high_bits(to_bits(x)));
 }
 
 template <Arithmetic kArithmetic>
