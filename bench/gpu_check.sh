@@ -8,8 +8,7 @@
 # STAGEs: build tests adamw muon step offload quantize (default: all, in that order), and
 # sanitize (only when named): compute-sanitizer memcheck and racecheck over the
 # ragged, scalar, grid-stride and shared-memory paths of a few GPU tests. One device
-# command may run 10 minutes, so a lease typically runs `build tests adamw`
-# in one call and `muon step offload` in a second (the in-place build is kept).
+# command may run 10 minutes.
 # RESULTS_DIR receives: stages.json (rc and seconds per stage), log.txt (all
 # output), gpu_tests.json (per-test outcomes) and one JSON file per benchmark.
 #
@@ -19,8 +18,13 @@
 # the last) has lost the in-place build: it is rebuilt first whatever the
 # STAGEs. The seed peer reaches the machine only from inside the checkout:
 # before the call, `mkdir -p shared/peers && cp ../shared/peers/hydra_muonadamw.py
-# shared/peers/` (/shared/ is git-ignored). A suggested split of one lease:
-#   call 1: build tests adamw quantize      call 2: muon step offload [sanitize]
+# shared/peers/` (/shared/ is git-ignored).
+# Planning a 15-minute lease (the first H200 session, 2026-12-04): a machine
+# took ~30 s to start and went back 30 s after each call, so every call paid a
+# fresh build (207-217 s at MAX_JOBS=16, before the per-ISA objects were
+# compiled in parallel) and the GPU tests took ~45 s. Two calls of
+# `build tests adamw muon` and `build step offload quantize [sanitize]` fit
+# only with budgets near 350 s each; one call of the default stages fits 570 s.
 set -uo pipefail
 
 OUT=${1:?usage: bench/gpu_check.sh RESULTS_DIR [build|tests|adamw|muon|step|offload|quantize|sanitize ...]}
