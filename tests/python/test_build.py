@@ -1,9 +1,12 @@
 """The installed build: CUDA kernels present where they can be built, torch pin."""
 
 import os
+import re
 import shutil
+import subprocess
 from pathlib import Path
 
+import pytest
 import torch
 
 import muon_ext
@@ -55,3 +58,21 @@ def test_every_subpackage_is_installed():
     listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {".".join(init.parent.relative_to(root).parts) for init in (root / "muon_ext").rglob("__init__.py")}
     assert found == listed
+
+
+def test_gpu_check_probe_tells_a_statically_linked_libstdcxx_apart(tmp_path):
+    """bench/gpu_check.sh's compiler probe (the first H200 run's crash: the
+    image's g++ linked libstdc++ into _C.so): true for this host's g++, false
+    for the same g++ forced to link libstdc++ statically; the script parses."""
+    if shutil.which("g++") is None or shutil.which("ldd") is None or shutil.which("bash") is None:
+        pytest.skip("needs g++, ldd and bash")
+    script = Path(__file__).resolve().parents[2] / "bench" / "gpu_check.sh"
+    subprocess.run(["bash", "-n", str(script)], check=True)
+    probe = re.search(r"^dynamic_libstdcxx\(\) \{.*?^\}\n", script.read_text(), re.S | re.M).group(0)
+    static = tmp_path / "static-g++"
+    static.write_text('#!/bin/sh\nexec g++ -static-libstdc++ "$@"\n')
+    static.chmod(0o755)
+    out = subprocess.run(["bash", "-c", probe + f"""
+dynamic_libstdcxx g++ {tmp_path}/a.so && echo host-dynamic
+dynamic_libstdcxx {static} {tmp_path}/b.so || echo forced-static"""], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["host-dynamic", "forced-static"], out
