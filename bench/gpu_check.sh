@@ -115,7 +115,7 @@ fi
 # checks::storage_problem), one copy of the library reading the other's locale.
 {
   echo "===== toolchain: CXX=${CXX:-unset} c++=$(command -v c++) g++=$(command -v g++)"
-  c++ --version 2>&1 | head -1
+  "${CXX:-c++}" --version 2>&1 | head -1
   SO=$(ls muon_ext/_C*.so 2>/dev/null | head -1)
   if [ -n "$SO" ] && command -v nm > /dev/null; then
     copies=$(nm -C "$SO" 2>/dev/null | grep -c "read_utf8_code_point")

@@ -38,22 +38,17 @@ MUON_HD float bf16_bits_to_float(uint16_t h) { return bits_to_float(uint32_t(h) 
 // FP32: the BF16 in the high half, the low half zero (a carry out of the
 // mantissa rounds up the exponent; the largest finite values round to inf).
 // A template so that the vector kernels (GCC vectors of uint32_t:
-// cpu/polar_small_kernel.cpp, cpu/bf16_tile_gemm.cpp) share this one line.
-// Always inlined on the host: those files compile it for several instruction
-// sets, and an out-of-line copy (one name for all of them) could run AVX-512
-// code on a CPU without it; inlined, the vector ABI warning does not apply.
-#if defined(__CUDACC__)
-template <class Bits>
-MUON_HD Bits bf16_rne_high_bits(Bits u) {
-  return (u + (0x7FFFu + ((u >> 16) & 1u))) & 0xFFFF0000u;
-}
-#else
+// cpu/polar_small_kernel.cpp, cpu/bf16_tile_gemm.cpp) share this one line;
+// always inlined, so the vector ABI warning does not apply.
+#if !defined(__CUDACC__)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wpsabi"
+#endif
 template <class Bits>
-inline __attribute__((always_inline)) Bits bf16_rne_high_bits(Bits u) {
+MUON_HD_ALWAYS_INLINE Bits bf16_rne_high_bits(Bits u) {
   return (u + (0x7FFFu + ((u >> 16) & 1u))) & 0xFFFF0000u;
 }
+#if !defined(__CUDACC__)
 #pragma GCC diagnostic pop
 #endif
 
