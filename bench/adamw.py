@@ -21,6 +21,7 @@ Usage: python bench/adamw.py [--device cuda] [--out results.json]
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 
@@ -34,14 +35,23 @@ BYTES_REMAINDER = {torch.float32: 2 + 2 + 4 + 4 + 4 + 2 + 2 + 4 + 4, torch.bfloa
 CONTENDER_BYTES = {"torch_fused": BYTES_FP32, "ours_fp32": BYTES_FP32,
                    "ours_bf16_remainder": BYTES_REMAINDER[torch.float32],
                    "ours_bf16_remainder_bf16_grads": BYTES_REMAINDER[torch.bfloat16]}
+# CUDA: blocks per launch before the launcher used CUDA 12.1's 32 KiB kernel
+# parameters (the 4 KiB limit held 320), run beside the default to measure
+# what the larger launches give.
+SMALL_LAUNCH_BLOCKS = 320
+CUDA_CONTENDER_BYTES = {**CONTENDER_BYTES, f"ours_fp32_{SMALL_LAUNCH_BLOCKS}_blocks": BYTES_FP32}
+
+
+def contender_bytes(device):
+    return CUDA_CONTENDER_BYTES if device.type == "cuda" else CONTENDER_BYTES
 
 
 def param_sets(device):
     if device.type == "cuda":
         return {
             "gpt124m": gpt_shapes(768, 12, 50304)["hidden"] + gpt_shapes(768, 12, 50304)["other"],
-            # 350M, not 1.3B: the seven contenders and copies hold ~94 bytes per element
-            # at once, and 1.3B of them (141 GB) overflowed an H200.
+            # 350M, not 1.3B: the contenders and copies hold ~110 bytes per element
+            # at once, and 1.3B of them (141 GB at ~94) overflowed an H200.
             "gpt350m": gpt_shapes(1024, 24, 50304)["hidden"] + gpt_shapes(1024, 24, 50304)["other"],
             "many_small_4k": [(4096,)] * 2000,
         }
@@ -81,6 +91,17 @@ def our_step(shapes, device, mode, grad_dtype=torch.float32):
     return step
 
 
+def with_blocks_per_launch(step, blocks):
+    """`step` with MUON_EXT_CUDA_BLOCKS_PER_LAUNCH set to `blocks` during the call."""
+    def run():
+        os.environ["MUON_EXT_CUDA_BLOCKS_PER_LAUNCH"] = str(blocks)
+        try:
+            step()
+        finally:
+            del os.environ["MUON_EXT_CUDA_BLOCKS_PER_LAUNCH"]
+    return run
+
+
 def copies(shapes, device):
     """The flat and the per-tensor copy of the bytes an FP32 AdamW step on
     `shapes` moves (BYTES_FP32 per element, half read and half written), and
@@ -118,21 +139,25 @@ def main():
             "ours_fp32": our_step(shapes, device, "fp32"),
             "ours_bf16_remainder": our_step(shapes, device, "bf16_remainder"),
             "ours_bf16_remainder_bf16_grads": our_step(shapes, device, "bf16_remainder", torch.bfloat16),
+            **({f"ours_fp32_{SMALL_LAUNCH_BLOCKS}_blocks": with_blocks_per_launch(our_step(shapes, device, "fp32"),
+                                                                                 SMALL_LAUNCH_BLOCKS)}
+               if device.type == "cuda" else {}),
         }, device, clock=clock)
         spreads = {k: spread(v) for k, v in samples.items()}
         seconds = {k: v["median"] for k, v in spreads.items()}
         t_fused, t_foreach = seconds["torch_fused"], seconds["torch_foreach"]
-        ours = [k for k in CONTENDER_BYTES if k.startswith("ours")]
+        contenders = contender_bytes(device)
+        ours = [k for k in contenders if k.startswith("ours")]
         case = {
             "params": name, "numel": n, "tensors": len(shapes),
             "seconds": seconds,
             "seconds_spread": spreads,
-            "params_per_s": {k: n / seconds[k] for k in CONTENDER_BYTES},
+            "params_per_s": {k: n / seconds[k] for k in contenders},
             "speedup_vs_torch_fused": {k: t_fused / seconds[k] for k in ours},
             "speedup_vs_torch_foreach": {"ours_fp32": t_foreach / seconds["ours_fp32"]},
         }
         copy_bw = {k: copy_bytes / seconds[k] for k in yardsticks}
-        bw = {k: n * b / seconds[k] for k, b in CONTENDER_BYTES.items()}
+        bw = {k: n * b / seconds[k] for k, b in contenders.items()}
         case["copy_bytes_per_s"] = copy_bw
         case["bytes_per_s"] = bw
         case["fraction_of_copy_bandwidth"] = {c: {k: v / copy_bw[c] for k, v in bw.items()} for c in copy_bw}
@@ -149,7 +174,7 @@ def print_case(case):
     print(f"{case['params']} ({case['numel']} elements, {case['tensors']} tensors): "
           + ", ".join(f"{k} {case['copy_bytes_per_s'][k] / 1e9:.1f} GB/s ({seconds[k] * 1e3:.3f} ms)"
                       for k in fraction))
-    for k in CONTENDER_BYTES:
+    for k in [k for k in CUDA_CONTENDER_BYTES if k in seconds]:
         speedup = seconds["torch_fused"] / seconds[k]
         low, high = case["seconds_spread"][k]["min"], case["seconds_spread"][k]["max"]
         print(f"  {k:32s} {seconds[k] * 1e3:8.3f} ms ({low * 1e3:.3f}..{high * 1e3:.3f})  {speedup:5.2f}x torch fused  "

@@ -127,7 +127,7 @@ struct StepList {
   int count;
 };
 static_assert(sizeof(StepList) + sizeof(const float*) <= kKernelArgBytes,
-              "step kernel arguments exceed CUDA's 4 KiB parameter limit");
+              "step kernel arguments exceed CUDA's parameter limit");
 static_assert(kMaxStepsPerLaunch <= 1024, "one block of one thread per step");
 
 __global__ void increment_steps_kernel(const StepList list, const float* found_inf_ptr) {
@@ -152,12 +152,16 @@ void launch_adamw(const std::vector<at::Tensor>& params, const std::vector<at::T
                   const std::vector<at::Tensor>& exp_avgs, const std::vector<at::Tensor>& exp_avg_sqs,
                   const std::vector<at::Tensor>& masters, const std::vector<at::Tensor>& steps,
                   const AdamWFunctor<P, G, M>& functor) {
+  // What can refuse the element launches is checked before the counters move.
+  const int max_blocks = blocks_per_launch();
+  check_kernel_arg_capacity();
   // Every param's counter advances, empty params included, as on the CPU.
   increment_steps(steps, functor.found_inf_ptr, at::cuda::getCurrentCUDAStream());
   if constexpr (M == MasterMode::kNone) {
-    multi_tensor_apply<4>({&params, &grads, &exp_avgs, &exp_avg_sqs}, &steps, kChunkSize, functor);
+    multi_tensor_apply<4>({&params, &grads, &exp_avgs, &exp_avg_sqs}, &steps, kChunkSize, max_blocks, functor);
   } else {
-    multi_tensor_apply<5>({&params, &grads, &exp_avgs, &exp_avg_sqs, &masters}, &steps, kChunkSize, functor);
+    multi_tensor_apply<5>({&params, &grads, &exp_avgs, &exp_avg_sqs, &masters}, &steps, kChunkSize, max_blocks,
+                          functor);
   }
 }
 

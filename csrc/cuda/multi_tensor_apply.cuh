@@ -13,7 +13,10 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <array>
+#include <cerrno>
+#include <cstdlib>
 #include <cstdint>
 #include <limits>
 #include <vector>
@@ -29,11 +32,60 @@ constexpr int kILP = 4;
 // Threads per block; every functor is written for (and launched with) this.
 constexpr int kBlockSize = 512;
 
-// CUDA's classic kernel-parameter limit is 4 KiB.  The metadata gets all of it
-// but kFunctorArgBytes, which is left for the functor and the chunk size.
+// Kernel-parameter space.  CUDA 12.1 raised the limit from 4 KiB to 32764
+// bytes for compute capability 7.0 and up (driver 530 and up; the CUDA 13
+// toolkit builds nothing older and needs a newer driver).  A launch of this
+// launcher moves one 64K-element chunk per block, and the block map lives in
+// the parameters: at 4 KiB a launch held 320 blocks (about 21M elements), so a
+// large model's AdamW step was a train of launches, each ending with a partly
+// idle GPU.  At 32 KiB a launch holds 2560 blocks, several waves of a 132-SM
+// GPU.  The metadata gets all of the space but kFunctorArgBytes, which is left
+// for the functor and the chunk size.
+#if defined(CUDART_VERSION) && CUDART_VERSION >= 12010
+constexpr int kKernelArgBytes = 32764;
+constexpr int kMaxBlocksPerLaunch = 2560;
+#else
 constexpr int kKernelArgBytes = 4096;
-constexpr int kFunctorArgBytes = 256;
 constexpr int kMaxBlocksPerLaunch = 320;
+#endif
+constexpr int kFunctorArgBytes = 256;
+// A block names its tensor slot in one byte.
+constexpr int kMaxTensorsPerLaunch = 256;
+
+// Raises unless the current device takes kKernelArgBytes of kernel parameters,
+// instead of a launch failing inside the driver with a less helpful error.
+inline void check_kernel_arg_capacity() {
+  if constexpr (kKernelArgBytes > 4096) {
+    static const int driver_version = [] {
+      int version = 0;
+      C10_CUDA_CHECK(cudaDriverGetVersion(&version));
+      return version;
+    }();
+    const cudaDeviceProp* device = at::cuda::getCurrentDeviceProperties();  // cached by ATen
+    TORCH_CHECK(driver_version >= 12010 && device->major >= 7,
+                "muon_ext: its CUDA kernels were built with CUDA >= 12.1 and pass up to ", kKernelArgBytes,
+                " bytes of kernel parameters, which needs a CUDA driver >= 12.1 (found ", driver_version / 1000, ".",
+                driver_version % 1000 / 10, ") and compute capability >= 7.0 (found ", device->major, ".",
+                device->minor, ")");
+  }
+}
+
+// Blocks per launch of multi_tensor_apply: kMaxBlocksPerLaunch, or the value of
+// MUON_EXT_CUDA_BLOCKS_PER_LAUNCH (1..kMaxBlocksPerLaunch; anything else
+// raises), read at every call so that a benchmark can compare launch sizes in
+// one process (bench/adamw.py).  Bits do not depend on it: a block's work is
+// its chunk alone.
+inline int blocks_per_launch() {
+  const char* text = std::getenv("MUON_EXT_CUDA_BLOCKS_PER_LAUNCH");
+  if (text == nullptr || *text == '\0') return kMaxBlocksPerLaunch;
+  char* end = nullptr;
+  errno = 0;
+  const long value = std::strtol(text, &end, 10);
+  TORCH_CHECK(errno == 0 && *end == '\0' && value >= 1 && value <= kMaxBlocksPerLaunch,
+              "MUON_EXT_CUDA_BLOCKS_PER_LAUNCH must be an integer from 1 to ", kMaxBlocksPerLaunch, ", got '", text,
+              "'");
+  return static_cast<int>(value);
+}
 
 // Kernel-argument payload of one launch.  Per tensor slot: DEPTH chunked
 // pointers, numel, and one unchunked "scalar" pointer (e.g. a step counter).
@@ -42,7 +94,8 @@ struct TensorListMetadata {
   static constexpr int kMaxBlocks = kMaxBlocksPerLaunch;
   static constexpr int kBytesPerBlock = int(sizeof(int32_t) + sizeof(uint8_t) + sizeof(bool));
   static constexpr int kBytesPerTensor = int(sizeof(void*)) * (DEPTH + 2);
-  static constexpr int kMaxTensors = (kKernelArgBytes - kFunctorArgBytes - kMaxBlocks * kBytesPerBlock) / kBytesPerTensor;
+  static constexpr int kMaxTensors =
+      std::min(kMaxTensorsPerLaunch, (kKernelArgBytes - kFunctorArgBytes - kMaxBlocks * kBytesPerBlock) / kBytesPerTensor);
 
   void* addresses[DEPTH][kMaxTensors];
   int64_t numel[kMaxTensors];
@@ -85,19 +138,22 @@ inline bool is_vector_aligned(const at::Tensor& tensor) {
 }
 
 // Calls `functor(const ChunkTask<DEPTH>&)` in every block, over every chunk of
-// every non-empty tensor.  tensor_lists[d][i] is the d-th operand of tensor i
-// (all operands of a tensor have the same numel); `scalars`, when not null,
-// holds one tensor per i whose address reaches the functor unchunked.
-// Launches on the current stream of the current device; launches nothing when
-// every tensor is empty.
+// every non-empty tensor, at most `max_blocks` blocks (blocks_per_launch(),
+// which callers read before they change anything) per launch.
+// tensor_lists[d][i] is the d-th operand of tensor i (all operands of a tensor
+// have the same numel); `scalars`, when not null, holds one tensor per i whose
+// address reaches the functor unchunked.  Launches on the current stream of
+// the current device; launches nothing when every tensor is empty.
 template <int DEPTH, typename Functor>
 void multi_tensor_apply(const std::array<const std::vector<at::Tensor>*, DEPTH>& tensor_lists,
-                        const std::vector<at::Tensor>* scalars, int64_t chunk_size, const Functor& functor) {
+                        const std::vector<at::Tensor>* scalars, int64_t chunk_size, int max_blocks,
+                        const Functor& functor) {
   using Metadata = TensorListMetadata<DEPTH>;
   static_assert(Metadata::kMaxTensors >= 1 && Metadata::kMaxTensors <= 256, "slot must fit in uint8_t");
-  static_assert(sizeof(Metadata) <= kKernelArgBytes - kFunctorArgBytes, "metadata exceeds its share of 4 KiB");
+  static_assert(sizeof(Metadata) <= kKernelArgBytes - kFunctorArgBytes, "metadata exceeds its share of the parameters");
   static_assert(sizeof(Metadata) + sizeof(int64_t) + sizeof(Functor) <= kKernelArgBytes,
-                "kernel arguments exceed CUDA's 4 KiB parameter limit");
+                "kernel arguments exceed CUDA's parameter limit");
+  TORCH_CHECK(max_blocks >= 1 && max_blocks <= Metadata::kMaxBlocks, "multi_tensor_apply: max_blocks out of range");
   TORCH_CHECK(chunk_size > 0 && chunk_size % kILP == 0, "multi_tensor_apply: chunk_size must be a positive multiple of ",
               kILP);
 
@@ -115,8 +171,9 @@ void multi_tensor_apply(const std::array<const std::vector<at::Tensor>*, DEPTH>&
     numels.push_back(tensor.numel());
   }
   const std::vector<MultiTensorLaunch> launches =
-      plan_multi_tensor_launches(numels, chunk_size, Metadata::kMaxTensors, Metadata::kMaxBlocks);
+      plan_multi_tensor_launches(numels, chunk_size, Metadata::kMaxTensors, max_blocks);
   if (launches.empty()) return;
+  check_kernel_arg_capacity();
 
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   for (const MultiTensorLaunch& launch : launches) {

@@ -213,7 +213,7 @@ struct WorkspaceArgs {
   void* x;             // [chunk, rows, cols] in the workspace format: written by kWorkspace
 };
 static_assert(sizeof(MatrixList<2>) + sizeof(MomentumArgs) + sizeof(WorkspaceArgs) <= kKernelArgBytes,
-              "kernel arguments exceed 4 KiB");
+              "kernel arguments exceed CUDA's parameter limit");
 
 // Block (b, m) covers elements [b, b + 1) * kElementsPerBlock of matrix m of
 // `list` (Source's operands), in for_each_pack's order.
@@ -323,7 +323,7 @@ struct NorMuonArgs {
   float* stats;  // [chunk, stat_length]: sums of X^2 in, multipliers out
   const float* found_inf;
 };
-static_assert(sizeof(MatrixList<1>) + sizeof(NorMuonArgs) <= kKernelArgBytes, "kernel arguments exceed 4 KiB");
+static_assert(sizeof(MatrixList<1>) + sizeof(NorMuonArgs) <= kKernelArgBytes, "kernel arguments exceed CUDA's parameter limit");
 
 // One block per matrix of `list` (operand: its second-moment buffer):
 //   vm = sum / red; smb = lerp(smb, vm, 1 - beta2); s = rsqrt(max(smb, 1e-10))
@@ -454,7 +454,7 @@ struct ApplyArgs {
   const float* mult;  // [chunk, stat_length]: NorMuon multipliers
   int64_t rows, cols;
 };
-static_assert(sizeof(MatrixList<2>) + sizeof(ApplyArgs) <= kKernelArgBytes, "kernel arguments exceed 4 KiB");
+static_assert(sizeof(MatrixList<2>) + sizeof(ApplyArgs) <= kKernelArgBytes, "kernel arguments exceed CUDA's parameter limit");
 
 // Blocks as in momentum_kernel; operands: Sink's.
 template <typename Sink, bool kNorMuon, typename W>
@@ -774,7 +774,8 @@ void muon_momentum(const MuonMomentumArgs& args) {
                               .inv_scale = optional_ptr(args.inv_scale)};
   dispatch_storage(args.grads.front().scalar_type(), "grad", [&](auto grad_format) {
     const MomentumFunctor<decltype(grad_format)> functor{momentum, optional_ptr(args.found_inf)};
-    multi_tensor_apply<3>({&args.grads, &args.momentum_buffers, &args.updates}, nullptr, kElementsPerBlock, functor);
+    multi_tensor_apply<3>({&args.grads, &args.momentum_buffers, &args.updates}, nullptr, kElementsPerBlock,
+                          blocks_per_launch(), functor);
   });
 }
 
@@ -815,9 +816,10 @@ void muon_apply(const MuonApplyArgs& args) {
     constexpr MasterMode M = decltype(master)::value;
     const ApplyFunctor<decltype(param_format), M> functor{lr, found_inf};
     if constexpr (M == MasterMode::kNone) {
-      multi_tensor_apply<2>({&args.params, &args.updates}, nullptr, kElementsPerBlock, functor);
+      multi_tensor_apply<2>({&args.params, &args.updates}, nullptr, kElementsPerBlock, blocks_per_launch(), functor);
     } else {
-      multi_tensor_apply<3>({&args.params, &args.masters, &args.updates}, nullptr, kElementsPerBlock, functor);
+      multi_tensor_apply<3>({&args.params, &args.masters, &args.updates}, nullptr, kElementsPerBlock,
+                            blocks_per_launch(), functor);
     }
   });
 }

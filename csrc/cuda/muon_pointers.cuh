@@ -89,6 +89,7 @@ void for_each_matrix_group(const std::vector<MatrixRef>& matrices, int64_t begin
                            const std::array<const std::vector<at::Tensor>*, DEPTH>& operands, int64_t stride,
                            Launch&& launch) {
   using List = MatrixList<DEPTH>;
+  if (begin < end) check_kernel_arg_capacity();
   for (int64_t first = begin; first < end; first += List::kCapacity) {
     const int count = int(std::min<int64_t>(List::kCapacity, end - first));
     List list{};

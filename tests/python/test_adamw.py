@@ -245,12 +245,32 @@ def test_cuda_matches_cpu_kernel_and_reference(mode, grad_dtype, adam_w_mode):
 
 
 @pytest.mark.gpu
-def test_many_tensors_split_across_launches():
-    # More tensors than one launch's slots and more chunks than its blocks.
-    sizes = [5000 + 13 * i for i in range(90)] + [40 * 65536 + 3] * 9
+@pytest.mark.parametrize("blocks_per_launch", [None, "7", "320"])
+def test_many_tensors_split_across_launches(monkeypatch, blocks_per_launch):
+    # More tensors than one launch's 256 slots, and (with a small
+    # MUON_EXT_CUDA_BLOCKS_PER_LAUNCH) more chunks than its blocks, a tensor's
+    # chunks carried over from one launch to the next: the same bits as the CPU.
+    if blocks_per_launch is not None:
+        monkeypatch.setenv("MUON_EXT_CUDA_BLOCKS_PER_LAUNCH", blocks_per_launch)
+    sizes = [5000 + 13 * i for i in range(290)] + [40 * 65536 + 3] * 9
     cpu = make_set(sizes, "bf16_remainder")
     gpu = _to(cpu, "cuda")
     _step_both_and_compare(cpu, gpu, sizes)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("value", ["0", "-3", "2561", "12x", "1e3"])
+def test_blocks_per_launch_setting_is_checked(monkeypatch, value):
+    cpu = make_set([4097], "fp32")
+    gpu = _to(cpu, "cuda")
+    before = [t.clone() for t in gpu.tensors()]
+    monkeypatch.setenv("MUON_EXT_CUDA_BLOCKS_PER_LAUNCH", value)
+    with pytest.raises(RuntimeError, match="MUON_EXT_CUDA_BLOCKS_PER_LAUNCH must be an integer from 1 to"):
+        ops.adamw_step(*gpu.args([g.cuda() for g in make_grads([4097])]), **gpu.kwargs(), lr=1e-2)
+    torch.cuda.synchronize()
+    # Raised before the step counters' launch: nothing moved.
+    for x, y in zip(gpu.tensors(), before):
+        assert_bit_equal(x.cpu(), y.cpu())
 
 
 @pytest.mark.gpu

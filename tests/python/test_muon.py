@@ -345,6 +345,9 @@ CUDA_SHAPES = {
     "one": [(1, 1)] * 2,
     "odd_tall": [(257, 129)] * 2,
     "experts": [(4, 96, 48)],
+    # More matrices than one launch's pointer list holds (about 2000 at 32 KiB
+    # of kernel parameters), a list crossing into the next param.
+    "many_small": [(4500, 4, 4), (3, 4, 4)],
 }
 
 
