@@ -21,11 +21,10 @@ Usage: python bench/adamw.py [--device cuda] [--out results.json]
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 
-from common import environment, gpt_shapes, interleaved_samples, numel, spread, write_json
+from common import environment, gpt_shapes, interleaved_samples, numel, spread, with_env, write_json
 from muon_ext import ops
 
 # Bytes moved per element by each contender (reads + writes).
@@ -91,17 +90,6 @@ def our_step(shapes, device, mode, grad_dtype=torch.float32):
     return step
 
 
-def with_blocks_per_launch(step, blocks):
-    """`step` with MUON_EXT_CUDA_BLOCKS_PER_LAUNCH set to `blocks` during the call."""
-    def run():
-        os.environ["MUON_EXT_CUDA_BLOCKS_PER_LAUNCH"] = str(blocks)
-        try:
-            step()
-        finally:
-            del os.environ["MUON_EXT_CUDA_BLOCKS_PER_LAUNCH"]
-    return run
-
-
 def copies(shapes, device):
     """The flat and the per-tensor copy of the bytes an FP32 AdamW step on
     `shapes` moves (BYTES_FP32 per element, half read and half written), and
@@ -139,8 +127,8 @@ def main():
             "ours_fp32": our_step(shapes, device, "fp32"),
             "ours_bf16_remainder": our_step(shapes, device, "bf16_remainder"),
             "ours_bf16_remainder_bf16_grads": our_step(shapes, device, "bf16_remainder", torch.bfloat16),
-            **({f"ours_fp32_{SMALL_LAUNCH_BLOCKS}_blocks": with_blocks_per_launch(our_step(shapes, device, "fp32"),
-                                                                                 SMALL_LAUNCH_BLOCKS)}
+            **({f"ours_fp32_{SMALL_LAUNCH_BLOCKS}_blocks": with_env(
+                our_step(shapes, device, "fp32"), MUON_EXT_CUDA_BLOCKS_PER_LAUNCH=str(SMALL_LAUNCH_BLOCKS))}
                if device.type == "cuda" else {}),
         }, device, clock=clock)
         spreads = {k: spread(v) for k, v in samples.items()}

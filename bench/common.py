@@ -86,6 +86,24 @@ def time_interleaved(fns: Dict[str, Callable[[], None]], device: torch.device, r
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
+def with_env(step: Callable[[], None], **settings: str) -> Callable[[], None]:
+    """`step` with environment variables set during each call (and restored
+    after): a contender that runs the same code under another setting, such as
+    MUON_EXT_CUDA_BLOCKS_PER_LAUNCH, interleaved with the default in one process."""
+    def run():
+        saved = {k: os.environ.get(k) for k in settings}
+        os.environ.update(settings)
+        try:
+            step()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    del os.environ[k]
+                else:
+                    os.environ[k] = v
+    return run
+
+
 def gpt_shapes(d_model: int, n_layers: int, vocab: int, seq: int = 1024) -> Dict[str, List[Tuple[int, ...]]]:
     """Parameter shapes of a GPT-2-like model, split the way Muon + AdamW split them."""
     hidden = []

@@ -26,7 +26,8 @@ import argparse
 
 import torch
 
-from common import environment, gpt_shapes, interleaved_samples, reexec_as_avx2_host, spread, time_fn, write_json
+from common import (environment, gpt_shapes, interleaved_samples, reexec_as_avx2_host, spread, time_fn, with_env,
+                    write_json)
 from muon_ext import ops
 from peers import load_seed
 
@@ -183,6 +184,9 @@ def main():
                 lambda blocks=blocks: ours_step(shapes, device, "bf16_remainder", blocks))
         if device.type == "cuda":  # the CPU's per-shape probe is bench/polar_rate.py
             builders["same_gemms_bf16"] = lambda: same_gemms_step(shapes, device)
+            # Every Polar-Express copy run, none folded into cublasLt GEMMs (docs/design.md, "CUDA kernels").
+            builders["ours_bf16_remainder_copies"] = lambda: with_env(
+                ours_step(shapes, device, "bf16_remainder"), MUON_EXT_CUDA_POLAR_FOLD="0")
         steps = {key: guarded(f"{name}/{key}", build) if build is not None else None for key, build in builders.items()}
         # Each contender keeps its own params and state; warm-up steps first (the
         # seed's compilation, the thread pool, lazily made state), then `rounds`
@@ -206,7 +210,7 @@ def main():
                             for k, v in seconds.items() if v is not None and not k.startswith("ours")}}
         case["speedup"].update({f"ours_bf16_remainder_vs_{k}": v / seconds["ours_bf16_remainder"]
                                 for k, v in seconds.items()
-                                if v is not None and ("row_blocks" in k or not k.startswith("ours"))})
+                                if v is not None and ("row_blocks" in k or "copies" in k or not k.startswith("ours"))})
         flops = polar_express_flops(shapes)
         case["polar_express_flops_per_s"] = {k: flops / v for k, v in seconds.items() if v is not None}
         achieved = flops / seconds["ours_bf16_remainder"]

@@ -16,6 +16,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <vector>
 
@@ -375,6 +376,105 @@ inline ColumnMajorGemm to_column_major(const PolarOp& op) {
 inline int64_t polar_buffer_numel(PolarBuffer buffer, int64_t rows, int64_t cols) {
   const int64_t side = std::min(rows, cols);
   return buffer == PolarBuffer::kX || buffer == PolarBuffer::kXOperand ? rows * cols : side * side;
+}
+
+// A stage as an executor runs it: the ops of one polar_stages stage and, for
+// its GEMMs, the buffer their beta term reads (`addend`): their output's own
+// buffer, or another one holding the same values at the same offsets (a copy
+// folded away below). A GEMM whose addend is not its output's buffer is
+// "out of place": out = alpha lhs rhs + beta addend (at::addmm_out with
+// self != out on the CPU, cublasLt with C != D on CUDA), one rounding as ever.
+struct PolarStage {
+  std::vector<PolarOp> ops;
+  PolarBuffer addend;
+};
+
+// The stages with each copy into a buffer T folded into the GEMM stage right
+// after it, when that stage writes T and its outputs, with the mirror after
+// it, cover all of T: every element of T the copy wrote is then read only
+// through a GEMM's beta term, which reads the copy's source instead (same
+// values, so the same bits), and the copy is skipped. That is every
+// "Poly = c Gram Gram + b Gram" and Gram Newton-Schulz R update: a copy of a
+// [side, side] matrix less per symmetric product. Used by the CPU and CUDA.
+inline std::vector<PolarStage> polar_fold_copies(const std::vector<std::vector<PolarOp>>& stages, int64_t rows,
+                                                 int64_t cols, const std::vector<int64_t>& bounds) {
+  const int64_t side = std::min(rows, cols);
+  int64_t mirrored = side * side;  // elements below the diagonal blocks
+  for (size_t i = 0; i + 1 < bounds.size(); ++i) mirrored -= (bounds[i + 1] - bounds[i]) * (bounds[i + 1] - bounds[i]);
+  mirrored /= 2;
+  std::vector<PolarStage> out;
+  for (size_t i = 0; i < stages.size(); ++i) {
+    const PolarOp& first = stages[i].front();
+    if (first.kind == PolarOp::Kind::kCopy && i + 1 < stages.size()) {
+      const std::vector<PolarOp>& next = stages[i + 1];
+      const PolarBuffer to = first.to;
+      if (next.front().kind == PolarOp::Kind::kGemm && next.front().out.buffer == to) {
+        int64_t covered = 0;
+        for (const PolarOp& op : next) covered += op.out.rows * op.out.cols;
+        if (i + 2 < stages.size() && stages[i + 2].front().kind == PolarOp::Kind::kMirror &&
+            stages[i + 2].front().to == to) {
+          covered += mirrored;
+        }
+        if (covered == polar_buffer_numel(to, rows, cols)) {
+          out.push_back({next, first.from});
+          ++i;
+          continue;
+        }
+      }
+    }
+    out.push_back({stages[i], first.kind == PolarOp::Kind::kGemm ? first.out.buffer : PolarBuffer::kX});
+  }
+  return out;
+}
+
+// The X GEMM's copy removed by swapping buffers, for an executor with
+// out-of-place GEMMs (CUDA): "copy F -> T, then F = alpha (lhs rhs, one of them
+// T) + beta F", the GEMM writing all of F in one op, becomes "T = alpha (the
+// same product reading F for T) + beta F", after which T holds what F would
+// and F what T would (the copy): every later op has F and T exchanged. That
+// is X = Poly X + a X (and the Gram plan's X = Q X) without the copy of the
+// long matrix into XOperand. Where X's contents end up in XOperand, a last
+// copy brings them back.
+inline std::vector<PolarStage> polar_swap_copied_operands(const std::vector<PolarStage>& stages, int64_t rows,
+                                                          int64_t cols) {
+  std::array<PolarBuffer, kPolarBufferCount> holder{};  // holder[b]: the buffer now holding the plan's b
+  for (int b = 0; b < kPolarBufferCount; ++b) holder[b] = static_cast<PolarBuffer>(b);
+  auto rename = [&](PolarBuffer& b) { b = holder[static_cast<int>(b)]; };
+  std::vector<PolarStage> out;
+  for (size_t i = 0; i < stages.size(); ++i) {
+    PolarStage stage = stages[i];
+    for (PolarOp& op : stage.ops) {
+      rename(op.out.buffer), rename(op.lhs.buffer), rename(op.rhs.buffer), rename(op.from), rename(op.to);
+    }
+    rename(stage.addend);
+    const PolarOp& copy = stage.ops.front();
+    if (copy.kind == PolarOp::Kind::kCopy && i + 1 < stages.size() && stages[i + 1].ops.size() == 1) {
+      PolarStage next = stages[i + 1];
+      PolarOp& gemm = next.ops.front();
+      rename(gemm.out.buffer), rename(gemm.lhs.buffer), rename(gemm.rhs.buffer), rename(next.addend);
+      const PolarBuffer from = copy.from, to = copy.to;
+      const bool reads_copy_once = (gemm.lhs.buffer == to) != (gemm.rhs.buffer == to) && gemm.lhs.buffer != from &&
+                                   gemm.rhs.buffer != from;
+      if (gemm.kind == PolarOp::Kind::kGemm && gemm.out.buffer == from && next.addend == from && reads_copy_once &&
+          gemm.out.rows * gemm.out.cols == polar_buffer_numel(from, rows, cols)) {
+        gemm.out.buffer = to;
+        (gemm.lhs.buffer == to ? gemm.lhs.buffer : gemm.rhs.buffer) = from;
+        out.push_back(next);
+        const PolarOp& named = stages[i].ops.front();  // the plan's own names for F and T
+        std::swap(holder[static_cast<int>(named.from)], holder[static_cast<int>(named.to)]);
+        ++i;
+        continue;
+      }
+    }
+    out.push_back(stage);
+  }
+  // Only whole-slot copies of X-shaped buffers swap, so X's contents are in X or XOperand.
+  const PolarBuffer x_holder = holder[static_cast<int>(PolarBuffer::kX)];
+  if (x_holder != PolarBuffer::kX) {
+    PolarOp back{PolarOp::Kind::kCopy, {}, {}, {}, PolarScalar::kZero, PolarScalar::kZero, x_holder, PolarBuffer::kX};
+    out.push_back({{back}, PolarBuffer::kX});
+  }
+  return out;
 }
 
 }  // namespace muon_ext

@@ -308,51 +308,6 @@ PolarRounding rounding_of(PolarDtype precision) {
   return PolarRounding::kNone;
 }
 
-// A GEMM stage as the CPU runs it: its GEMMs take their beta term from
-// `addend` (at::addmm_out with self != out) where that is not out's buffer.
-struct CpuStage {
-  std::vector<PolarOp> ops;
-  PolarBuffer addend;
-};
-
-// The plan's stages with each copy into a buffer T folded into the GEMM
-// stage right after it, when that stage writes T and its outputs, with the
-// mirror after it, cover all of T: every element of T the copy wrote is then
-// read only through a GEMM's beta term, which reads the copy's source instead
-// (same values, so the same bits), and the copy is skipped. That is every
-// "Poly = c Gram Gram + b Gram" and Gram Newton-Schulz R update: a copy of a
-// [side, side] matrix less per symmetric product.
-std::vector<CpuStage> fold_copies(const std::vector<std::vector<PolarOp>>& stages, int64_t rows, int64_t cols,
-                                  const std::vector<int64_t>& bounds) {
-  const int64_t side = std::min(rows, cols);
-  int64_t mirrored = side * side;  // elements below the diagonal blocks
-  for (size_t i = 0; i + 1 < bounds.size(); ++i) mirrored -= (bounds[i + 1] - bounds[i]) * (bounds[i + 1] - bounds[i]);
-  mirrored /= 2;
-  std::vector<CpuStage> out;
-  for (size_t i = 0; i < stages.size(); ++i) {
-    const PolarOp& first = stages[i].front();
-    if (first.kind == PolarOp::Kind::kCopy && i + 1 < stages.size()) {
-      const std::vector<PolarOp>& next = stages[i + 1];
-      const PolarBuffer to = first.to;
-      if (next.front().kind == PolarOp::Kind::kGemm && next.front().out.buffer == to) {
-        int64_t covered = 0;
-        for (const PolarOp& op : next) covered += op.out.rows * op.out.cols;
-        if (i + 2 < stages.size() && stages[i + 2].front().kind == PolarOp::Kind::kMirror &&
-            stages[i + 2].front().to == to) {
-          covered += mirrored;
-        }
-        if (covered == polar_buffer_numel(to, rows, cols)) {
-          out.push_back({next, first.from});
-          ++i;
-          continue;
-        }
-      }
-    }
-    out.push_back({stages[i], first.kind == PolarOp::Kind::kGemm ? first.out.buffer : PolarBuffer::kX});
-  }
-  return out;
-}
-
 // On the micro-kernel, a GEMM packs its whole right operand column chunk
 // before writing that chunk of its output (bf16_tile_gemm.h), so "copy B to
 // T, then one call B = A T (+ beta B)" may read T's values from B itself: the
@@ -361,7 +316,7 @@ std::vector<CpuStage> fold_copies(const std::vector<std::vector<PolarOp>>& stage
 // first had overwritten.
 // Whether an op of stages[first..] may read `buffer` before a copy overwrites
 // all of it (a GEMM writing it counts as a read: it may write only a part).
-bool read_before_overwritten(const std::vector<CpuStage>& stages, size_t first, PolarBuffer buffer) {
+bool read_before_overwritten(const std::vector<PolarStage>& stages, size_t first, PolarBuffer buffer) {
   for (size_t j = first; j < stages.size(); ++j) {
     for (const PolarOp& op : stages[j].ops) {
       if (op.kind == PolarOp::Kind::kGemm) {
@@ -376,8 +331,8 @@ bool read_before_overwritten(const std::vector<CpuStage>& stages, size_t first, 
   return false;
 }
 
-std::vector<CpuStage> read_operands_in_place(const std::vector<CpuStage>& stages) {
-  std::vector<CpuStage> out;
+std::vector<PolarStage> read_operands_in_place(const std::vector<PolarStage>& stages) {
+  std::vector<PolarStage> out;
   for (size_t i = 0; i < stages.size(); ++i) {
     if (i + 1 < stages.size() && stages[i].ops.size() == 1 && stages[i + 1].ops.size() == 1) {
       const PolarOp& copy = stages[i].ops[0];
@@ -493,7 +448,7 @@ void polar_express(at::Tensor& x, const std::vector<std::array<float, 3>>& coeff
   const std::vector<PolarOp> plan =
       polar_plan(iteration, plan_rows, plan_cols, bounds, static_cast<int>(coefficients.size()),
                  polar_gram_restart_period(precision != PolarDtype::kFloat32));
-  std::vector<CpuStage> stages = fold_copies(
+  std::vector<PolarStage> stages = polar_fold_copies(
       polar_stages(plan, native ? kNativeBf16PanelRows : kPolarPanelRowsCpu), plan_rows, plan_cols, bounds);
   if (tiles) stages = read_operands_in_place(stages);
 
@@ -531,7 +486,7 @@ void polar_express(at::Tensor& x, const std::vector<std::array<float, 3>>& coeff
   for (int64_t first = 0; first < count; first += group) {
     const int64_t members = std::min(group, count - first);
     const bool whole_matrix_stages =
-        std::all_of(stages.begin(), stages.end(), [](const CpuStage& stage) { return stage.ops.size() == 1; });
+        std::all_of(stages.begin(), stages.end(), [](const PolarStage& stage) { return stage.ops.size() == 1; });
     // A matrix per thread, or (fewer matrices than threads) the threads sharing each stage.
     const bool matrix_per_thread =
         members > 1 && (whole_matrix_stages || (members == group && group == at::get_num_threads()));
@@ -634,7 +589,7 @@ void polar_express(at::Tensor& x, const std::vector<std::array<float, 3>>& coeff
       // stages, and a matrix's scratch stays in its thread's cache. The same calls on the
       // same panels as below, so the same bits.
       run_tasks(members, [&](int64_t member) {
-        for (const CpuStage& stage : stages) {
+        for (const PolarStage& stage : stages) {
           for (const PolarOp& op : stage.ops) execute(member, op, stage.addend);
         }
         if (tiles) bf16_tile_gemm_release();
@@ -642,7 +597,7 @@ void polar_express(at::Tensor& x, const std::vector<std::array<float, 3>>& coeff
     } else {
       // Fewer matrices than threads: the threads share each stage's panels,
       // or on the micro-kernel, with fewer panels than threads, each GEMM's tiles.
-      for (const CpuStage& stage : stages) {
+      for (const PolarStage& stage : stages) {
         const int64_t ops = static_cast<int64_t>(stage.ops.size());
         if (stage.ops.front().kind != PolarOp::Kind::kGemm) {
           // A copy, mirror or identity add (a stage alone): see for_each_member.

@@ -40,6 +40,7 @@
 #include "multi_tensor_apply.cuh"
 #include "muon_pointers.cuh"
 #include "polar_express_cuda.h"
+#include "settings.h"
 
 namespace muon_ext {
 namespace cuda {
@@ -749,6 +750,7 @@ void run_muon_step(const MuonBucket& bucket, const MuonStepOptions& options) {
 }  // namespace
 
 void muon_step(const MuonBucket& bucket, const MuonStepOptions& options) {
+  check_cuda_settings();  // before anything is enqueued (csrc/cuda/settings.h)
   if (bucket.params.empty()) return;
   const size_t count = bucket.params.size();
   TORCH_CHECK(bucket.grads.size() == count && bucket.momentum_buffers.size() == count &&
@@ -765,6 +767,7 @@ void muon_step(const MuonBucket& bucket, const MuonStepOptions& options) {
 }
 
 void muon_momentum(const MuonMomentumArgs& args) {
+  check_cuda_settings();  // before anything is enqueued (csrc/cuda/settings.h)
   if (args.grads.empty()) return;
   const size_t count = args.grads.size();
   TORCH_CHECK(args.momentum_buffers.size() == count && args.updates.size() == count,
@@ -780,6 +783,7 @@ void muon_momentum(const MuonMomentumArgs& args) {
 }
 
 void muon_orthogonalize(const MuonOrthogonalizeArgs& args) {
+  check_cuda_settings();  // before anything is enqueued (csrc/cuda/settings.h)
   if (args.updates.empty()) return;
   TORCH_CHECK(!args.normuon || args.second_momentum_buffers.size() == args.updates.size(),
               "muon_orthogonalize: every tensor list needs one entry per update");
@@ -805,6 +809,7 @@ void muon_orthogonalize(const MuonOrthogonalizeArgs& args) {
 }
 
 void muon_apply(const MuonApplyArgs& args) {
+  check_cuda_settings();  // before anything is enqueued (csrc/cuda/settings.h)
   if (args.params.empty()) return;
   const size_t count = args.params.size();
   TORCH_CHECK(args.updates.size() == count && (args.master_mode == MasterMode::kNone || args.masters.size() == count),

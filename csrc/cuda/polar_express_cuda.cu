@@ -14,6 +14,7 @@
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/util/Exception.h>
+#include <cublasLt.h>
 #include <cublas_v2.h>
 
 #include <algorithm>
@@ -22,6 +23,7 @@
 #include <limits>
 
 #include "../common/polar_plan.h"
+#include "settings.h"
 
 namespace muon_ext {
 namespace cuda {
@@ -100,7 +102,98 @@ int to_int(int64_t value, const char* what) {
   return static_cast<int>(value);
 }
 
+// cublasLt's workspace for split-K partial sums (the size torch gives its own
+// cublasLt calls on Hopper).
+constexpr int64_t kLtWorkspaceBytes = int64_t(32) << 20;
+
+// Largest power of two (at most 256) dividing the address: what cublasLt's
+// heuristic may assume of an operand at an offset into its buffer.
+uint32_t alignment_of(const void* p) {
+  const uintptr_t address = reinterpret_cast<uintptr_t>(p);
+  uint32_t alignment = 256;
+  while (alignment > 1 && address % alignment != 0) alignment /= 2;
+  return alignment;
+}
+
+// One strided-batched GEMM with its output D apart from the addend C:
+// D = alpha op_a(A) op_b(B) + beta C, the same single rounding of the FP32
+// result as cublasGemmStridedBatchedEx with C == D. Split-K only with FP32
+// partial sums (the math mode polar_express sets for cublasGemmEx).
+class OutOfPlaceGemm {
+ public:
+  struct Operands {
+    const void *a, *b, *c;
+    void* d;
+    int64_t stride_a, stride_b, stride_c;  // elements between matrices; D's is C's
+  };
+
+  OutOfPlaceGemm(const ColumnMajorGemm& g, const Operands& operands, int64_t batch, cudaDataType_t data_type,
+                 cublasComputeType_t compute_type, cublasLtHandle_t handle, size_t workspace_bytes)
+      : operands_(operands) {
+    TORCH_CUDABLAS_CHECK(cublasLtMatmulDescInit(&desc_, compute_type, CUDA_R_32F));
+    const cublasOperation_t trans_a = g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, trans_b = g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+    set(&desc_, CUBLASLT_MATMUL_DESC_TRANSA, trans_a);
+    set(&desc_, CUBLASLT_MATMUL_DESC_TRANSB, trans_b);
+    // Stored (column-major) shapes: A is m x k (k x m transposed), B k x n (n x k), C and D m x n.
+    layout(&a_, data_type, g.trans_a ? g.k : g.m, g.trans_a ? g.m : g.k, g.lda, batch, operands.stride_a);
+    layout(&b_, data_type, g.trans_b ? g.n : g.k, g.trans_b ? g.k : g.n, g.ldb, batch, operands.stride_b);
+    layout(&c_, data_type, g.m, g.n, g.ldc, batch, operands.stride_c);
+
+    cublasLtMatmulPreferenceOpaque_t preference;
+    TORCH_CUDABLAS_CHECK(cublasLtMatmulPreferenceInit(&preference));
+    const uint64_t max_workspace = workspace_bytes;
+    set_preference(&preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, max_workspace);
+    const uint32_t reduction = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;  // "none" is always allowed
+    set_preference(&preference, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, reduction);
+    set_preference(&preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, alignment_of(operands.a));
+    set_preference(&preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, alignment_of(operands.b));
+    set_preference(&preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, alignment_of(operands.c));
+    set_preference(&preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, alignment_of(operands.d));
+    int found = 0;
+    const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(handle, &desc_, &a_, &b_, &c_, &c_, &preference,
+                                                                 1, &heuristic_, &found);
+    found_ = status == CUBLAS_STATUS_SUCCESS && found > 0;
+  }
+
+  // False where cublasLt offers no algorithm: the caller runs the copy instead.
+  bool found() const { return found_; }
+
+  void run(cublasLtHandle_t handle, float alpha, float beta, void* workspace, size_t workspace_bytes,
+           cudaStream_t stream) {
+    TORCH_CUDABLAS_CHECK(cublasLtMatmul(handle, &desc_, &alpha, operands_.a, &a_, operands_.b, &b_, &beta,
+                                        operands_.c, &c_, operands_.d, &c_, &heuristic_.algo, workspace,
+                                        workspace_bytes, stream));
+  }
+
+ private:
+  template <typename T>
+  static void set(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attribute, const T& value) {
+    TORCH_CUDABLAS_CHECK(cublasLtMatmulDescSetAttribute(desc, attribute, &value, sizeof(value)));
+  }
+  template <typename T>
+  static void set_preference(cublasLtMatmulPreference_t preference, cublasLtMatmulPreferenceAttributes_t attribute,
+                             const T& value) {
+    TORCH_CUDABLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(preference, attribute, &value, sizeof(value)));
+  }
+  static void layout(cublasLtMatrixLayoutOpaque_t* layout, cudaDataType_t type, int64_t rows, int64_t cols, int64_t ld,
+                     int64_t batch, int64_t stride) {
+    TORCH_CUDABLAS_CHECK(cublasLtMatrixLayoutInit(layout, type, uint64_t(rows), uint64_t(cols), ld));
+    const int32_t count = to_int(batch, "batch");
+    TORCH_CUDABLAS_CHECK(
+        cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof(count)));
+    TORCH_CUDABLAS_CHECK(
+        cublasLtMatrixLayoutSetAttribute(layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET, &stride, sizeof(stride)));
+  }
+
+  Operands operands_;
+  cublasLtMatmulDescOpaque_t desc_;
+  cublasLtMatrixLayoutOpaque_t a_, b_, c_;  // D's layout is C's
+  cublasLtMatmulHeuristicResult_t heuristic_{};
+  bool found_ = false;
+};
+
 }  // namespace
+
 
 int64_t polar_express_workspace_bytes(int64_t rows, int64_t cols, at::ScalarType dtype, PolarMethod method) {
   const int64_t s = std::min(rows, cols);
@@ -116,9 +209,15 @@ PolarExpressWorkspace make_polar_express_workspace(int64_t capacity, int64_t row
   to_int(capacity, "batch");
   const int64_t s = std::min(rows, cols);
   const int64_t gram_capacity = method == PolarMethod::kGram ? capacity : 0;
-  return {at::empty({capacity, rows, cols}, options), at::empty({capacity, s, s}, options),
-          at::empty({capacity, s, s}, options),       at::empty({gram_capacity, s, s}, options),
-          at::empty({gram_capacity, s, s}, options),  method};
+  const bool fold = polar_fold_copies_setting();
+  return {at::empty({capacity, rows, cols}, options),
+          at::empty({capacity, s, s}, options),
+          at::empty({capacity, s, s}, options),
+          at::empty({gram_capacity, s, s}, options),
+          at::empty({gram_capacity, s, s}, options),
+          method,
+          fold,
+          at::empty({fold && capacity > 0 ? kLtWorkspaceBytes : 0}, options.dtype(at::kByte))};
 }
 
 void polar_express(const at::Tensor& x, const std::vector<std::array<float, 3>>& coefficients,
@@ -179,52 +278,102 @@ void polar_express(const at::Tensor& x, const std::vector<std::array<float, 3>>&
   const dim3 mirror_grid(static_cast<unsigned>(tiles * tiles), 1, static_cast<unsigned>(std::min<int64_t>(batch, 65535)));
 
   const int add_blocks = static_cast<int>(std::min<int64_t>((batch * s + 255) / 256, 4096));
-  for (const PolarOp& op : plan) {
-    const std::array<float, 3>& abc = coefficients[op.step];
-    {
-      switch (op.kind) {
-        case PolarOp::Kind::kGemm: {
-          const ColumnMajorGemm g = to_column_major(op);
-          const float alpha = static_cast<float>(polar_scalar_value(op.alpha, abc[0], abc[1], abc[2]));
-          const float beta = static_cast<float>(polar_scalar_value(op.beta, abc[0], abc[1], abc[2]));
-          TORCH_CUDABLAS_CHECK(cublasGemmStridedBatchedEx(
-              handle, g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, to_int(g.m, "m"),
-              to_int(g.n, "n"), to_int(g.k, "k"), &alpha, address(g.a, g.a_offset), data_type,
-              to_int(g.lda, "lda"), stride(g.a), address(g.b, g.b_offset), data_type, to_int(g.ldb, "ldb"),
-              stride(g.b), &beta, address(g.c, g.c_offset), data_type, to_int(g.ldc, "ldc"), stride(g.c),
-              to_int(batch, "batch"), compute_type, CUBLAS_GEMM_DEFAULT));
-          break;
+  auto scalar = [&](PolarScalar which, int step) {
+    const std::array<float, 3>& abc = coefficients[step];
+    return static_cast<float>(polar_scalar_value(which, abc[0], abc[1], abc[2]));
+  };
+  auto copy_slot = [&](PolarBuffer from, PolarBuffer to) {
+    C10_CUDA_CHECK(cudaMemcpyAsync(address(to, 0), address(from, 0), batch * stride(from) * element_size,
+                                   cudaMemcpyDeviceToDevice, stream));
+  };
+  // One op of the plan as written: a GEMM's beta term reads its own output.
+  auto run_in_place = [&](const PolarOp& op) {
+    switch (op.kind) {
+      case PolarOp::Kind::kGemm: {
+        const ColumnMajorGemm g = to_column_major(op);
+        const float alpha = scalar(op.alpha, op.step), beta = scalar(op.beta, op.step);
+        TORCH_CUDABLAS_CHECK(cublasGemmStridedBatchedEx(
+            handle, g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, to_int(g.m, "m"),
+            to_int(g.n, "n"), to_int(g.k, "k"), &alpha, address(g.a, g.a_offset), data_type,
+            to_int(g.lda, "lda"), stride(g.a), address(g.b, g.b_offset), data_type, to_int(g.ldb, "ldb"),
+            stride(g.b), &beta, address(g.c, g.c_offset), data_type, to_int(g.ldc, "ldc"), stride(g.c),
+            to_int(batch, "batch"), compute_type, CUBLAS_GEMM_DEFAULT));
+        break;
+      }
+      case PolarOp::Kind::kCopy:
+        copy_slot(op.from, op.to);
+        break;
+      case PolarOp::Kind::kMirror:
+        if (half_width) {  // a copy of 16-bit patterns: BF16 and FP16 alike
+          mirror_upper_blocks_kernel<<<mirror_grid, mirror_threads, 0, stream>>>(
+              static_cast<uint16_t*>(address(op.to, 0)), batch, s, tiles, device_bounds);
+        } else {
+          mirror_upper_blocks_kernel<<<mirror_grid, mirror_threads, 0, stream>>>(
+              static_cast<float*>(address(op.to, 0)), batch, s, tiles, device_bounds);
         }
-        case PolarOp::Kind::kCopy:
-          C10_CUDA_CHECK(cudaMemcpyAsync(address(op.to, 0), address(op.from, 0),
-                                         batch * stride(op.from) * element_size,
-                                         cudaMemcpyDeviceToDevice, stream));
-          break;
-        case PolarOp::Kind::kMirror:
-          if (half_width) {  // a copy of 16-bit patterns: BF16 and FP16 alike
-            mirror_upper_blocks_kernel<<<mirror_grid, mirror_threads, 0, stream>>>(
-                static_cast<uint16_t*>(address(op.to, 0)), batch, s, tiles, device_bounds);
-          } else {
-            mirror_upper_blocks_kernel<<<mirror_grid, mirror_threads, 0, stream>>>(
-                static_cast<float*>(address(op.to, 0)), batch, s, tiles, device_bounds);
-          }
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
-          break;
-        case PolarOp::Kind::kAddIdentity: {
-          const float value = static_cast<float>(polar_scalar_value(op.alpha, abc[0], abc[1], abc[2]));
-          if (dtype == at::kBFloat16) {
-            add_identity_kernel<<<add_blocks, 256, 0, stream>>>(static_cast<at::BFloat16*>(address(op.to, 0)), batch,
-                                                                 s, value);
-          } else if (dtype == at::kHalf) {
-            add_identity_kernel<<<add_blocks, 256, 0, stream>>>(static_cast<at::Half*>(address(op.to, 0)), batch, s,
-                                                                 value);
-          } else {
-            add_identity_kernel<<<add_blocks, 256, 0, stream>>>(static_cast<float*>(address(op.to, 0)), batch, s,
-                                                                 value);
-          }
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
-          break;
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        break;
+      case PolarOp::Kind::kAddIdentity: {
+        const float value = scalar(op.alpha, op.step);
+        if (dtype == at::kBFloat16) {
+          add_identity_kernel<<<add_blocks, 256, 0, stream>>>(static_cast<at::BFloat16*>(address(op.to, 0)), batch,
+                                                               s, value);
+        } else if (dtype == at::kHalf) {
+          add_identity_kernel<<<add_blocks, 256, 0, stream>>>(static_cast<at::Half*>(address(op.to, 0)), batch, s,
+                                                               value);
+        } else {
+          add_identity_kernel<<<add_blocks, 256, 0, stream>>>(static_cast<float*>(address(op.to, 0)), batch, s,
+                                                               value);
         }
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        break;
+      }
+    }
+  };
+
+  // Stages: one per op, or with copies folded into out-of-place GEMMs (the
+  // same values in every beta term, so the same bits; docs/design.md "CUDA
+  // kernels"). Each GEMM is one batched call here, so stages take whole GEMMs.
+  std::vector<PolarStage> stages;
+  if (workspace.fold_copies) {
+    stages = polar_swap_copied_operands(
+        polar_fold_copies(polar_stages(plan, std::max(rows, cols)), rows, cols, bounds), rows, cols);
+  } else {
+    for (const PolarOp& op : plan) stages.push_back({{op}, op.kind == PolarOp::Kind::kGemm ? op.out.buffer : PolarBuffer::kX});
+  }
+  const cublasLtHandle_t lt_handle = workspace.fold_copies ? at::cuda::getCurrentCUDABlasLtHandle() : nullptr;
+  const size_t lt_workspace_bytes = size_t(workspace.lt_workspace.numel());
+  for (const PolarStage& stage : stages) {
+    std::vector<OutOfPlaceGemm> out_of_place;
+    std::vector<bool> is_out_of_place;
+    bool all_found = true;
+    for (const PolarOp& op : stage.ops) {
+      const bool apart =
+          op.kind == PolarOp::Kind::kGemm && stage.addend != op.out.buffer && scalar(op.beta, op.step) != 0.0f;
+      is_out_of_place.push_back(apart);
+      if (!apart) continue;
+      const ColumnMajorGemm g = to_column_major(op);
+      out_of_place.emplace_back(g,
+                                OutOfPlaceGemm::Operands{address(g.a, g.a_offset), address(g.b, g.b_offset),
+                                                         address(stage.addend, g.c_offset), address(g.c, g.c_offset),
+                                                         stride(g.a), stride(g.b), stride(g.c)},
+                                batch, data_type, compute_type, lt_handle, lt_workspace_bytes);
+      all_found = all_found && out_of_place.back().found();
+    }
+    if (!all_found) {
+      // No cublasLt algorithm for one of them: the copy the fold removed, then in place.
+      copy_slot(stage.addend, stage.ops.front().out.buffer);
+      for (const PolarOp& op : stage.ops) run_in_place(op);
+      continue;
+    }
+    size_t next = 0;
+    for (size_t i = 0; i < stage.ops.size(); ++i) {
+      const PolarOp& op = stage.ops[i];
+      if (is_out_of_place[i]) {
+        out_of_place[next++].run(lt_handle, scalar(op.alpha, op.step), scalar(op.beta, op.step),
+                                 workspace.lt_workspace.data_ptr(), lt_workspace_bytes, stream);
+      } else {
+        run_in_place(op);
       }
     }
   }

@@ -22,7 +22,13 @@ struct PolarExpressWorkspace {
   at::Tensor q;          // [capacity, s, s] for the Gram plan (else [0, s, s]): Q
   at::Tensor scratch;    // as q: the Gram plan's spare square
   PolarMethod method = PolarMethod::kStandard;  // the plan it was sized for (polar_method_for's answer)
+  // Copies folded into out-of-place cublasLt GEMMs (polar_fold_copies,
+  // polar_swap_copied_operands), or every copy run (MUON_EXT_CUDA_POLAR_FOLD=0,
+  // csrc/cuda/settings.h).
+  bool fold_copies = true;
+  at::Tensor lt_workspace;  // bytes for cublasLt's split-K partial sums, when folding
 };
+
 
 // Bytes of PolarExpressWorkspace per matrix (X itself not included) for the
 // plan `method` (kStandard or kGram).

@@ -493,5 +493,88 @@ TEST(GramPlan, AutoRule) {
   for (int step : {0, 1, 3, 4, 6}) EXPECT_FALSE(polar_gram_restarts_before(step, other)) << step;
 }
 
+// ---------------------------------------------------------------------------
+// Executor stages: copies folded into out-of-place GEMMs (polar_fold_copies,
+// CPU and CUDA) and the X copy swapped away (polar_swap_copied_operands, CUDA)
+// ---------------------------------------------------------------------------
+
+// Runs executor stages: a GEMM whose addend is another buffer reads its beta
+// term there, at out's offsets (C != D in cublasLt's terms).
+void execute_stages(const std::vector<PolarStage>& stages, const std::vector<int64_t>& bounds,
+                    const Coefficients& abc, int64_t side, Slots& s) {
+  for (const PolarStage& stage : stages) {
+    for (const PolarOp& op : stage.ops) {
+      if (op.kind == PolarOp::Kind::kGemm && stage.addend != op.out.buffer) {
+        const auto [a, b, c] = abc.at(op.step);
+        const double beta = polar_scalar_value(op.beta, a, b, c);
+        // Out's elements get the addend's values first: the in-place GEMM then reads them through beta.
+        const ColumnMajorGemm g = to_column_major(op);
+        ASSERT_NE(g.c, g.a) << "an output aliases an operand";
+        ASSERT_NE(g.c, g.b) << "an output aliases an operand";
+        if (beta != 0.0) {
+          for (int64_t j = 0; j < g.n; ++j)
+            for (int64_t i = 0; i < g.m; ++i) {
+              const int64_t e = g.c_offset + i + j * g.ldc;
+              s[g.c].at(e) = s[stage.addend].at(e);
+            }
+        }
+        column_major_gemm(g, polar_scalar_value(op.alpha, a, b, c), beta, s);
+      } else {
+        execute({op}, bounds, abc, side, s);
+      }
+    }
+  }
+}
+
+// Copies of the long matrix (X, XOperand) and of the square buffers.
+std::pair<int, int> count_copies(const std::vector<PolarStage>& stages) {
+  int long_copies = 0, square_copies = 0;
+  for (const PolarStage& stage : stages)
+    for (const PolarOp& op : stage.ops)
+      if (op.kind == PolarOp::Kind::kCopy) {
+        ++(op.from == PolarBuffer::kX || op.from == PolarBuffer::kXOperand ? long_copies : square_copies);
+      }
+  return {long_copies, square_copies};
+}
+
+class PolarExecutorStagesTest
+    : public ::testing::TestWithParam<std::tuple<PolarMethod, int64_t, int64_t, int64_t, int>> {};
+
+TEST_P(PolarExecutorStagesTest, FoldedAndSwappedStagesGiveTheSameBits) {
+  const auto [method, rows, cols, blocks, steps] = GetParam();
+  const int64_t side = std::min(rows, cols);
+  const std::vector<int64_t> bounds = polar_block_bounds(side, blocks);
+  const std::vector<PolarOp> plan = polar_plan(method, rows, cols, bounds, steps, kGramRestartPeriodHalf);
+  const Slots start = random_slots(rows, cols, static_cast<unsigned>(rows * 131 + cols * 17 + blocks + steps));
+  Slots expected = start;
+  execute(plan, bounds, kSteps, side, expected);
+
+  // As CUDA runs it (one panel per GEMM), and as the CPU runs it (panels of 2 rows).
+  for (const int64_t panel_rows : {std::max(rows, cols), int64_t(2)}) {
+    const std::vector<PolarStage> folded = polar_fold_copies(polar_stages(plan, panel_rows), rows, cols, bounds);
+    const std::vector<PolarStage> swapped = polar_swap_copied_operands(folded, rows, cols);
+    for (const auto* stages : {&folded, &swapped}) {
+      SCOPED_TRACE(stages == &folded ? "folded" : "swapped");
+      Slots s = start;
+      execute_stages(*stages, bounds, kSteps, side, s);
+      // The same operations on the same values: exactly the same result.
+      ASSERT_EQ(s[PolarBuffer::kX], expected[PolarBuffer::kX]);
+    }
+    if (panel_rows == 2) continue;  // the CPU's panels: several ops per X GEMM, nothing to swap
+    // As CUDA runs it: folding leaves no copy of a square buffer into a GEMM's
+    // output, swapping at most one copy of the long matrix (X back from XOperand).
+    EXPECT_LE(count_copies(swapped).first, 1);
+    if (method == PolarMethod::kStandard) {
+      EXPECT_EQ(count_copies(folded), std::make_pair(steps, 0));
+      EXPECT_EQ(count_copies(swapped), std::make_pair(steps % 2, 0));
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, PolarExecutorStagesTest,
+                         ::testing::Combine(::testing::Values(PolarMethod::kStandard, PolarMethod::kGram),
+                                            ::testing::Values(1, 4, 9), ::testing::Values(1, 6, 23),
+                                            ::testing::Values(1, 3), ::testing::Values(1, 2, 5)));
+
 }  // namespace
 }  // namespace muon_ext

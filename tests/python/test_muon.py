@@ -442,6 +442,44 @@ def test_two_runs_identical_and_chunking_close():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["wide", "tall", "square", "odd_tall", "experts"])
+@pytest.mark.parametrize("method,row_blocks", [("standard", 1), ("standard", 3), ("gram", 1), ("gram", 3)])
+def test_folded_copies_agree_with_the_copies(monkeypatch, kind, method, row_blocks):
+    """Polar-Express with its copies folded into out-of-place cublasLt GEMMs
+    (the default) against every copy run (MUON_EXT_CUDA_POLAR_FOLD=0): the same
+    operations on the same values, but cublasLt may pick another kernel than
+    cublasGemmEx (another summation order), so BF16 noise; reruns are exact."""
+    shapes = CUDA_SHAPES[kind]
+    hyper = dict(lr=0.02, polar_method=method, polar_row_blocks=row_blocks)
+    folded = _run(shapes, "bf16_remainder", "cuda", **hyper)
+    again = _run(shapes, "bf16_remainder", "cuda", **hyper)
+    monkeypatch.setenv("MUON_EXT_CUDA_POLAR_FOLD", "0")
+    copies = _run(shapes, "bf16_remainder", "cuda", **hyper)
+    for x, y in zip(folded.tensors(), again.tensors()):
+        assert_bit_equal(x, y, "rerun")
+    start = make_muon_set(shapes, "bf16_remainder").params
+    for i in range(len(shapes)):
+        assert_bit_equal(folded.momentum_buffers[i], copies.momentum_buffers[i], f"momentum[{i}]")
+        d_folded = fp32_master(folded.to("cpu"), i) - start[i].float()
+        d_copies = fp32_master(copies.to("cpu"), i) - start[i].float()
+        assert ((d_folded - d_copies).norm() / d_copies.norm()).item() < 0.02
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("value", ["2", "yes", " 1"])
+def test_polar_fold_setting_is_checked_before_anything_moves(monkeypatch, value):
+    shapes = CUDA_SHAPES["square"]
+    s = make_muon_set(shapes, "bf16_remainder").to("cuda")
+    before = [t.clone() for t in s.tensors()]
+    monkeypatch.setenv("MUON_EXT_CUDA_POLAR_FOLD", value)
+    with pytest.raises(RuntimeError, match="MUON_EXT_CUDA_POLAR_FOLD must be '0' or '1'"):
+        ops.muon_step(*s.args([g.cuda() for g in make_muon_grads(shapes)]), **s.kwargs(), lr=0.02)
+    torch.cuda.synchronize()
+    for a, b in zip(s.tensors(), before):
+        assert_bit_equal(a, b, "after the refused step")
+
+
+@pytest.mark.gpu
 def test_more_matrices_than_one_cublas_batch():
     """70000 matrices of 8x8 in one tensor: the default workspace would hold all
     of them, but a chunk is capped at 65535 matrices (some cuBLAS versions fail
