@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <deque>
 #include <limits>
 
 #include "../common/polar_plan.h"
@@ -106,12 +107,13 @@ int to_int(int64_t value, const char* what) {
 // cublasLt calls on Hopper).
 constexpr int64_t kLtWorkspaceBytes = int64_t(32) << 20;
 
-// Largest power of two (at most 256) dividing the address: what cublasLt's
-// heuristic may assume of an operand at an offset into its buffer.
-uint32_t alignment_of(const void* p) {
-  const uintptr_t address = reinterpret_cast<uintptr_t>(p);
+// Largest power of two (at most 256) dividing the address of every column and
+// every matrix of a batched operand: what cublasLt's heuristic may assume of
+// it (it sees the first matrix's address only).
+uint32_t alignment_of(const void* p, int64_t ld_bytes, int64_t stride_bytes) {
+  const uintptr_t all = reinterpret_cast<uintptr_t>(p) | uintptr_t(ld_bytes) | uintptr_t(stride_bytes);
   uint32_t alignment = 256;
-  while (alignment > 1 && address % alignment != 0) alignment /= 2;
+  while (alignment > 1 && all % alignment != 0) alignment /= 2;
   return alignment;
 }
 
@@ -130,8 +132,10 @@ class OutOfPlaceGemm {
   OutOfPlaceGemm(const ColumnMajorGemm& g, const Operands& operands, int64_t batch, cudaDataType_t data_type,
                  cublasComputeType_t compute_type, cublasLtHandle_t handle, size_t workspace_bytes)
       : operands_(operands) {
+    // The descriptors live in this object (cublasLt's opaque structs), so it stays where it was made.
     TORCH_CUDABLAS_CHECK(cublasLtMatmulDescInit(&desc_, compute_type, CUDA_R_32F));
-    const cublasOperation_t trans_a = g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, trans_b = g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+    const cublasOperation_t trans_a = g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+    const cublasOperation_t trans_b = g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
     set(&desc_, CUBLASLT_MATMUL_DESC_TRANSA, trans_a);
     set(&desc_, CUBLASLT_MATMUL_DESC_TRANSB, trans_b);
     // Stored (column-major) shapes: A is m x k (k x m transposed), B k x n (n x k), C and D m x n.
@@ -145,15 +149,23 @@ class OutOfPlaceGemm {
     set_preference(&preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, max_workspace);
     const uint32_t reduction = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;  // "none" is always allowed
     set_preference(&preference, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, reduction);
-    set_preference(&preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, alignment_of(operands.a));
-    set_preference(&preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, alignment_of(operands.b));
-    set_preference(&preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, alignment_of(operands.c));
-    set_preference(&preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, alignment_of(operands.d));
+    const int64_t size = data_type == CUDA_R_32F ? 4 : 2;
+    set_preference(&preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+                   alignment_of(operands.a, g.lda * size, operands.stride_a * size));
+    set_preference(&preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+                   alignment_of(operands.b, g.ldb * size, operands.stride_b * size));
+    set_preference(&preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+                   alignment_of(operands.c, g.ldc * size, operands.stride_c * size));
+    set_preference(&preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+                   alignment_of(operands.d, g.ldc * size, operands.stride_c * size));
     int found = 0;
     const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(handle, &desc_, &a_, &b_, &c_, &c_, &preference,
                                                                  1, &heuristic_, &found);
-    found_ = status == CUBLAS_STATUS_SUCCESS && found > 0;
+    found_ = status == CUBLAS_STATUS_SUCCESS && found > 0 && heuristic_.state == CUBLAS_STATUS_SUCCESS;
   }
+
+  OutOfPlaceGemm(const OutOfPlaceGemm&) = delete;
+  OutOfPlaceGemm& operator=(const OutOfPlaceGemm&) = delete;
 
   // False where cublasLt offers no algorithm: the caller runs the copy instead.
   bool found() const { return found_; }
@@ -193,7 +205,6 @@ class OutOfPlaceGemm {
 };
 
 }  // namespace
-
 
 int64_t polar_express_workspace_bytes(int64_t rows, int64_t cols, at::ScalarType dtype, PolarMethod method) {
   const int64_t s = std::min(rows, cols);
@@ -344,7 +355,7 @@ void polar_express(const at::Tensor& x, const std::vector<std::array<float, 3>>&
   const cublasLtHandle_t lt_handle = workspace.fold_copies ? at::cuda::getCurrentCUDABlasLtHandle() : nullptr;
   const size_t lt_workspace_bytes = size_t(workspace.lt_workspace.numel());
   for (const PolarStage& stage : stages) {
-    std::vector<OutOfPlaceGemm> out_of_place;
+    std::deque<OutOfPlaceGemm> out_of_place;  // made in place, never moved
     std::vector<bool> is_out_of_place;
     bool all_found = true;
     for (const PolarOp& op : stage.ops) {
