@@ -29,7 +29,9 @@ def _worker(rank: int, world: int, store: str, backend: str, fn, args) -> None:
     # Passed: leave without interpreter finalization. A CI run once saw both
     # ranks of a passing job abort at exit ("terminate called without an active
     # exception", SIGABRT) while torch tore down its distributed threads; the
-    # exit code then failed a test whose checks had all passed. A failure still
+    # exit code then failed a test whose checks had all passed. PyTorch knows a
+    # form of it (pytorch/pytorch#179291, not merged: Gloo worker threads still
+    # holding tensors when the interpreter is torn down). A failure still
     # raises above, so torch.multiprocessing records its traceback.
     sys.stdout.flush()
     sys.stderr.flush()
