@@ -94,8 +94,8 @@ struct TensorListMetadata {
   static constexpr int kMaxBlocks = kMaxBlocksPerLaunch;
   static constexpr int kBytesPerBlock = int(sizeof(int32_t) + sizeof(uint8_t) + sizeof(bool));
   static constexpr int kBytesPerTensor = int(sizeof(void*)) * (DEPTH + 2);
-  static constexpr int kMaxTensors =
-      std::min(kMaxTensorsPerLaunch, (kKernelArgBytes - kFunctorArgBytes - kMaxBlocks * kBytesPerBlock) / kBytesPerTensor);
+  static constexpr int kMaxTensors = std::min(
+      kMaxTensorsPerLaunch, (kKernelArgBytes - kFunctorArgBytes - kMaxBlocks * kBytesPerBlock) / kBytesPerTensor);
 
   void* addresses[DEPTH][kMaxTensors];
   int64_t numel[kMaxTensors];

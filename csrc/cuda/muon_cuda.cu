@@ -324,7 +324,8 @@ struct NorMuonArgs {
   float* stats;  // [chunk, stat_length]: sums of X^2 in, multipliers out
   const float* found_inf;
 };
-static_assert(sizeof(MatrixList<1>) + sizeof(NorMuonArgs) <= kKernelArgBytes, "kernel arguments exceed CUDA's parameter limit");
+static_assert(sizeof(MatrixList<1>) + sizeof(NorMuonArgs) <= kKernelArgBytes,
+              "kernel arguments exceed CUDA's parameter limit");
 
 // One block per matrix of `list` (operand: its second-moment buffer):
 //   vm = sum / red; smb = lerp(smb, vm, 1 - beta2); s = rsqrt(max(smb, 1e-10))
@@ -455,7 +456,8 @@ struct ApplyArgs {
   const float* mult;  // [chunk, stat_length]: NorMuon multipliers
   int64_t rows, cols;
 };
-static_assert(sizeof(MatrixList<2>) + sizeof(ApplyArgs) <= kKernelArgBytes, "kernel arguments exceed CUDA's parameter limit");
+static_assert(sizeof(MatrixList<2>) + sizeof(ApplyArgs) <= kKernelArgBytes,
+              "kernel arguments exceed CUDA's parameter limit");
 
 // Blocks as in momentum_kernel; operands: Sink's.
 template <typename Sink, bool kNorMuon, typename W>

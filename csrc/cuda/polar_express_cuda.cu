@@ -350,7 +350,9 @@ void polar_express(const at::Tensor& x, const std::vector<std::array<float, 3>>&
     stages = polar_swap_copied_operands(
         polar_fold_copies(polar_stages(plan, std::max(rows, cols)), rows, cols, bounds), rows, cols);
   } else {
-    for (const PolarOp& op : plan) stages.push_back({{op}, op.kind == PolarOp::Kind::kGemm ? op.out.buffer : PolarBuffer::kX});
+    for (const PolarOp& op : plan) {
+      stages.push_back({{op}, op.kind == PolarOp::Kind::kGemm ? op.out.buffer : PolarBuffer::kX});
+    }
   }
   const cublasLtHandle_t lt_handle = workspace.fold_copies ? at::cuda::getCurrentCUDABlasLtHandle() : nullptr;
   const size_t lt_workspace_bytes = size_t(workspace.lt_workspace.numel());
