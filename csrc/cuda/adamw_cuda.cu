@@ -52,6 +52,13 @@ __device__ __forceinline__ void store_pack(T* base, int64_t i, const Pack<T, W>&
 template <typename P, typename G, MasterMode M>
 struct AdamWFunctor {
   static constexpr int kDepth = M == MasterMode::kNone ? 4 : 5;
+  // Registers for three 512-thread blocks per SM (at most 40 per thread).
+  // Without the cap, ptxas (CUDA 13, sm_90) gave several instances (16-bit
+  // params with int16 remainders or FP32 masters, FP16 params with FP16 grads)
+  // 41-60 registers: two blocks per SM, half the threads, in a memory-bound
+  // kernel. With it every instance takes 39-40, the FP32-master ones with
+  // 16-bit params spilling 4 bytes. Register use changes no bits.
+  static constexpr int kMinBlocksPerSm = 3;
   using param_t = typename P::storage;
   using grad_t = typename G::storage;
   // The master operand: FP32 master tensor or int16 remainder (unused for kNone).

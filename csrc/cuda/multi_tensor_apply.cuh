@@ -118,9 +118,10 @@ struct ChunkTask {
   bool vectorized;  // begin, end and every address are kILP-element aligned
 };
 
+// The block's chunk of the metadata, handed to the functor.
 template <int DEPTH, typename Functor>
-__global__ void __launch_bounds__(kBlockSize)
-    multi_tensor_apply_kernel(const TensorListMetadata<DEPTH> meta, int64_t chunk_size, Functor functor) {
+__device__ __forceinline__ void run_chunk(const TensorListMetadata<DEPTH>& meta, int64_t chunk_size,
+                                          const Functor& functor) {
   const int slot = meta.block_slot[blockIdx.x];
   ChunkTask<DEPTH> task;
 #pragma unroll
@@ -131,6 +132,22 @@ __global__ void __launch_bounds__(kBlockSize)
   task.end = min(task.begin + chunk_size, meta.numel[slot]);
   task.vectorized = meta.block_vectorized[blockIdx.x];
   functor(task);
+}
+
+template <int DEPTH, typename Functor>
+__global__ void __launch_bounds__(kBlockSize)
+    multi_tensor_apply_kernel(const TensorListMetadata<DEPTH> meta, int64_t chunk_size, Functor functor) {
+  run_chunk(meta, chunk_size, functor);
+}
+
+// The same for a functor that declares kMinBlocksPerSm (AdamWFunctor): ptxas
+// keeps registers for that many blocks per SM. A separate kernel because an
+// explicit minimum of 1 is not the same to ptxas as none (a Muon functor went
+// from 32 to 37 registers).
+template <int DEPTH, typename Functor, int kMinBlocks>
+__global__ void __launch_bounds__(kBlockSize, kMinBlocks)
+    multi_tensor_apply_capped_kernel(const TensorListMetadata<DEPTH> meta, int64_t chunk_size, Functor functor) {
+  run_chunk(meta, chunk_size, functor);
 }
 
 inline bool is_vector_aligned(const at::Tensor& tensor) {
@@ -201,8 +218,13 @@ void multi_tensor_apply(const std::array<const std::vector<at::Tensor>*, DEPTH>&
       // falls back to the scalar path.
       meta.block_vectorized[b] = slot_aligned[block.slot] && (end - begin) % kILP == 0;
     }
-    multi_tensor_apply_kernel<DEPTH, Functor>
-        <<<static_cast<unsigned>(launch.blocks.size()), kBlockSize, 0, stream>>>(meta, chunk_size, functor);
+    const unsigned grid = static_cast<unsigned>(launch.blocks.size());
+    if constexpr (requires { Functor::kMinBlocksPerSm; }) {
+      multi_tensor_apply_capped_kernel<DEPTH, Functor, Functor::kMinBlocksPerSm>
+          <<<grid, kBlockSize, 0, stream>>>(meta, chunk_size, functor);
+    } else {
+      multi_tensor_apply_kernel<DEPTH, Functor><<<grid, kBlockSize, 0, stream>>>(meta, chunk_size, functor);
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }
