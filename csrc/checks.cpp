@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <sstream>
 #include <unordered_set>
 
@@ -17,6 +18,13 @@ namespace checks {
 bool is_supported_float(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
 
 std::string where(const char* list, size_t index) { return std::string(list) + "[" + std::to_string(index) + "]"; }
+
+bool on_off_setting(const char* name) {
+  const char* setting = std::getenv(name);
+  const std::string value = setting == nullptr ? "" : setting;
+  TORCH_CHECK(value.empty() || value == "0" || value == "1", name, " must be '0' or '1', got '", value, "'");
+  return value != "0";
+}
 
 namespace {
 

@@ -28,6 +28,10 @@ bool is_supported_float(at::ScalarType t);
 // `list[index]`, for messages.
 std::string where(const char* list, size_t index);
 
+// An on/off environment switch (MUON_EXT_CPU_TILE_GEMM, MUON_EXT_CUDA_POLAR_FOLD):
+// unset, "" or "1" is on, "0" off; anything else raises, naming the variable.
+bool on_off_setting(const char* name);
+
 // All lists have `n` entries, as many as the list named `base` (names and
 // lists in the same order).
 void same_lengths(const char* op, size_t n, const std::vector<std::pair<const char*, size_t>>& lengths,

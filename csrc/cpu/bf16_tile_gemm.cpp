@@ -7,11 +7,10 @@
 #include <c10/util/BFloat16.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
-#include <string>
 #include <vector>
 
+#include "../checks.h"
 #include "../common/bits.h"
 
 #if defined(__x86_64__)
@@ -26,12 +25,7 @@ namespace muon_ext {
 namespace cpu {
 
 bool bf16_tile_gemm_enabled() {
-  // Read per call: for A/B benchmarks and tests.
-  const char* setting = std::getenv("MUON_EXT_CPU_TILE_GEMM");
-  const std::string value = setting == nullptr ? "" : setting;
-  TORCH_CHECK(value.empty() || value == "0" || value == "1", "MUON_EXT_CPU_TILE_GEMM must be '0' or '1', got '",
-              value, "'");
-  return value != "0";
+  return checks::on_off_setting("MUON_EXT_CPU_TILE_GEMM");  // read per call: for A/B benchmarks and tests
 }
 
 #if defined(__x86_64__)

@@ -29,7 +29,6 @@ struct PolarExpressWorkspace {
   at::Tensor lt_workspace;  // bytes for cublasLt's split-K partial sums, when folding
 };
 
-
 // Bytes of PolarExpressWorkspace per matrix (X itself not included) for the
 // plan `method` (kStandard or kGram).
 int64_t polar_express_workspace_bytes(int64_t rows, int64_t cols, at::ScalarType dtype, PolarMethod method);

@@ -4,11 +4,7 @@
 // of any param group moves, whichever kernel reads it.
 #pragma once
 
-#include <c10/util/Exception.h>
-
-#include <cstdlib>
-#include <string>
-
+#include "../checks.h"
 #include "multi_tensor_apply.cuh"
 
 namespace muon_ext {
@@ -16,13 +12,7 @@ namespace cuda {
 
 // MUON_EXT_CUDA_POLAR_FOLD: unset, "" or "1" fold Polar-Express's copies into
 // out-of-place cublasLt GEMMs, "0" runs every copy (polar_express_cuda.cu).
-inline bool polar_fold_copies_setting() {
-  const char* text = std::getenv("MUON_EXT_CUDA_POLAR_FOLD");
-  const std::string value = text == nullptr ? "" : text;
-  TORCH_CHECK(value.empty() || value == "0" || value == "1", "MUON_EXT_CUDA_POLAR_FOLD must be '0' or '1', got '",
-              value, "'");
-  return value != "0";
-}
+inline bool polar_fold_copies_setting() { return checks::on_off_setting("MUON_EXT_CUDA_POLAR_FOLD"); }
 
 // MUON_EXT_CUDA_BLOCKS_PER_LAUNCH (blocks_per_launch, multi_tensor_apply.cuh)
 // and MUON_EXT_CUDA_POLAR_FOLD.
