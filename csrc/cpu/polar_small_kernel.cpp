@@ -103,11 +103,26 @@ __attribute__((always_inline)) inline bool any_lane(LaneBits mask) {
   return any != 0;
 }
 
+// bf16_rne_high_bits (csrc/common/bits.h) per lane. AVX-512 adds 0x7FFF or,
+// where bit 16 is set, 0x8000 under a mask: the same sums in four
+// instructions instead of five (shift, and, two adds, and).
+__attribute__((always_inline)) inline LaneBits lane_bf16_rne_high_bits(LaneBits u) {
+#if defined(__AVX512F__)
+  const __m512i bits = (__m512i)u;
+  const __mmask16 odd = _mm512_test_epi32_mask(bits, _mm512_set1_epi32(0x10000));
+  const __m512i sum = _mm512_mask_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), odd, bits,
+                                            _mm512_set1_epi32(0x8000));
+  return (LaneBits)_mm512_and_si512(sum, _mm512_set1_epi32(int32_t(0xFFFF0000u)));
+#else
+  return bf16_rne_high_bits(u);
+#endif
+}
+
 // bf16_bits_to_float(float_to_bf16_bits_rne(x)) per lane (csrc/common/bits.h).
 __attribute__((always_inline)) inline Lanes round_bf16(Lanes x) {
   const LaneBits u = to_bits(x);
   const LaneBits nan = ~below((LaneMask)(u & 0x7FFFFFFFu), 0x7F800001);
-  return from_bits((bf16_rne_high_bits(u) & ~nan) | (nan & 0x7FC00000u));
+  return from_bits((lane_bf16_rne_high_bits(u) & ~nan) | (nan & 0x7FC00000u));
 }
 
 // half_bits_to_float(float_to_half_bits_rne(x)) per lane: values in FP16's
@@ -130,7 +145,7 @@ __attribute__((always_inline)) inline Lanes round_fp16(Lanes x) {
 // round_bf16 for finite x: the same bits, and x86's default NaN (the only
 // NaN arithmetic on finite values makes) and infinities stay non-finite.
 __attribute__((always_inline)) inline Lanes round_finite_bf16(Lanes x) {
-  return from_bits(bf16_rne_high_bits(to_bits(x)));
+  return from_bits(lane_bf16_rne_high_bits(to_bits(x)));
 }
 
 template <Arithmetic kArithmetic>
@@ -143,37 +158,57 @@ __attribute__((always_inline)) inline Lanes round_output(Lanes x, PolarRounding 
   return x;
 }
 
-// out[t] = sum over k ascending of A(k) * B(k, t), t < width <= 4, with
-// A(k) = a[k * a_step] and B(k, t) = b[k * b_step + t * b_pitch]: up to four
-// independent accumulators in registers, so the additions do not wait on
-// one another. Each sum is 0 + a0 b0 + a1 b1 + ..., in that order.
+// out[t] = sum over k ascending of A(k) * B(k, t), t < width <= kDotWidth,
+// with A(k) = a[k * a_step] and B(k, t) = b[k * b_step + t * b_pitch]: one
+// accumulator per output in registers, so the additions do not wait on one
+// another (a fused multiply-add takes four cycles and two issue each cycle:
+// eight chains keep both units busy; AVX2's sixteen registers hold four of
+// these two-register vectors and their operands). Each sum is
+// 0 + a0 b0 + a1 b1 + ..., in that order, whatever the width.
+#if defined(__AVX512F__)
+constexpr int64_t kDotWidth = 8;
+#else
+constexpr int64_t kDotWidth = 4;
+#endif
+
 template <bool kFused>
 __attribute__((always_inline)) inline Lanes multiply_accumulate(Lanes acc, Lanes a, Lanes b) {
   if constexpr (kFused) return multiply_add(a, b, acc);
   return acc + a * b;
 }
 
+template <bool kFused, int kWidth>
+__attribute__((always_inline)) inline void dot_block_of(const Lanes* a, int64_t a_step, const Lanes* b,
+                                                        int64_t b_step, int64_t b_pitch, int64_t k_count,
+                                                        Lanes* out) {
+  Lanes acc[kWidth];
+  for (int t = 0; t < kWidth; ++t) acc[t] = splat(0.0f);
+  for (int64_t k = 0; k < k_count; ++k) {
+    const Lanes ak = a[k * a_step];
+    const Lanes* bk = b + k * b_step;
+    for (int t = 0; t < kWidth; ++t) acc[t] = multiply_accumulate<kFused>(acc[t], ak, bk[t * b_pitch]);
+  }
+  for (int t = 0; t < kWidth; ++t) out[t] = acc[t];
+}
+
 template <bool kFused>
 __attribute__((always_inline)) inline void dot_block(const Lanes* a, int64_t a_step, const Lanes* b,
                                                      int64_t b_step, int64_t b_pitch, int64_t k_count, int64_t width,
                                                      Lanes* out) {
-  Lanes acc0 = splat(0.0f), acc1 = acc0, acc2 = acc0, acc3 = acc0;
-  if (width == 4) {
-    for (int64_t k = 0; k < k_count; ++k) {
-      const Lanes ak = a[k * a_step];
-      const Lanes* bk = b + k * b_step;
-      acc0 = multiply_accumulate<kFused>(acc0, ak, bk[0]);
-      acc1 = multiply_accumulate<kFused>(acc1, ak, bk[b_pitch]);
-      acc2 = multiply_accumulate<kFused>(acc2, ak, bk[2 * b_pitch]);
-      acc3 = multiply_accumulate<kFused>(acc3, ak, bk[3 * b_pitch]);
-    }
-    out[0] = acc0, out[1] = acc1, out[2] = acc2, out[3] = acc3;
-    return;
-  }
-  for (int64_t t = 0; t < width; ++t) {
-    Lanes acc = splat(0.0f);
-    for (int64_t k = 0; k < k_count; ++k) acc = multiply_accumulate<kFused>(acc, a[k * a_step], b[k * b_step + t * b_pitch]);
-    out[t] = acc;
+  static_assert(kDotWidth <= 8, "one case per width");
+  switch (width) {
+    case 8: if constexpr (kDotWidth >= 8) return dot_block_of<kFused, 8>(a, a_step, b, b_step, b_pitch, k_count, out);
+    [[fallthrough]];
+    case 7: if constexpr (kDotWidth >= 7) return dot_block_of<kFused, 7>(a, a_step, b, b_step, b_pitch, k_count, out);
+    [[fallthrough]];
+    case 6: if constexpr (kDotWidth >= 6) return dot_block_of<kFused, 6>(a, a_step, b, b_step, b_pitch, k_count, out);
+    [[fallthrough]];
+    case 5: if constexpr (kDotWidth >= 5) return dot_block_of<kFused, 5>(a, a_step, b, b_step, b_pitch, k_count, out);
+    [[fallthrough]];
+    case 4: return dot_block_of<kFused, 4>(a, a_step, b, b_step, b_pitch, k_count, out);
+    case 3: return dot_block_of<kFused, 3>(a, a_step, b, b_step, b_pitch, k_count, out);
+    case 2: return dot_block_of<kFused, 2>(a, a_step, b, b_step, b_pitch, k_count, out);
+    default: return dot_block_of<kFused, 1>(a, a_step, b, b_step, b_pitch, k_count, out);
   }
 }
 
@@ -189,10 +224,10 @@ __attribute__((always_inline)) inline void symmetric_product(Lanes* out, const L
                                                              const Lanes* src, int64_t side, float alpha_value,
                                                              float beta_value, PolarRounding rounding) {
   const Lanes alpha = splat(alpha_value), beta = splat(beta_value);
-  Lanes block[4];
+  Lanes block[kDotWidth];
   for (int64_t i = 0; i < side; ++i) {
-    for (int64_t j = i; j < side; j += 4) {
-      const int64_t width = std::min<int64_t>(4, side - j);
+    for (int64_t j = i; j < side; j += kDotWidth) {
+      const int64_t width = std::min<int64_t>(kDotWidth, side - j);
       dot_block<kArithmetic.fused>(lhs + i * side, 1, rhs + j, side, 1, side, width, block);
       for (int64_t t = 0; t < width; ++t) {
         out[i * side + j + t] = out[(j + t) * side + i] =
@@ -206,30 +241,30 @@ __attribute__((always_inline)) inline void symmetric_product(Lanes* out, const L
 template <Arithmetic kArithmetic>
 __attribute__((always_inline)) inline void gram_of(const Lanes* x, Lanes* gram, int64_t side, int64_t length, int64_t v_row, int64_t v_col,
                     PolarRounding rounding) {
-  Lanes block[4];
+  Lanes block[kDotWidth];
   for (int64_t i = 0; i < side; ++i) {
-    for (int64_t j = i; j < side; j += 4) {
-      const int64_t width = std::min<int64_t>(4, side - j);
+    for (int64_t j = i; j < side; j += kDotWidth) {
+      const int64_t width = std::min<int64_t>(kDotWidth, side - j);
       dot_block<kArithmetic.fused>(x + i * v_row, v_col, x + j * v_row, v_col, v_row, length, width, block);
       for (int64_t t = 0; t < width; ++t) gram[i * side + j + t] = gram[(j + t) * side + i] = round_output<kArithmetic>(block[t], rounding);
     }
   }
 }
 
-// X = Q X (wide) or X Q (tall), Q [side, side], through x_operand; with
-// `add_a`, X = Q X + a X (the standard iteration's update).
+// x = Q X (wide) or X Q (tall) for X = x_operand [rows, cols] and Q
+// [side, side]; with `add_a`, x = Q X + a X (the standard iteration's
+// update). x and x_operand are distinct buffers.
 template <Arithmetic kArithmetic>
-__attribute__((always_inline)) inline void multiply_x(Lanes* x, Lanes* x_operand, const Lanes* q, int64_t rows,
+__attribute__((always_inline)) inline void multiply_x(Lanes* x, const Lanes* x_operand, const Lanes* q, int64_t rows,
                                                       int64_t cols, bool add_a, float a_value,
                                                       PolarRounding rounding) {
   const int64_t side = std::min(rows, cols);
   const bool wide = rows <= cols;
   const Lanes a = splat(a_value);
-  Lanes block[4];
-  std::copy(x, x + rows * cols, x_operand);
+  Lanes block[kDotWidth];
   for (int64_t i = 0; i < rows; ++i) {
-    for (int64_t j = 0; j < cols; j += 4) {
-      const int64_t width = std::min<int64_t>(4, cols - j);
+    for (int64_t j = 0; j < cols; j += kDotWidth) {
+      const int64_t width = std::min<int64_t>(kDotWidth, cols - j);
       if (wide) {
         dot_block<kArithmetic.fused>(q + i * side, 1, x_operand + j, cols, 1, side, width, block);
       } else {
@@ -284,13 +319,17 @@ __attribute__((always_inline)) inline void standard_iterations(Lanes* x, Lanes* 
   // V = X (wide) or X^T (tall): V(i, k) = x[i * v_row + k * v_col].
   const int64_t v_row = wide ? cols : 1, v_col = wide ? 1 : cols;
   for (int64_t e = 0; e < rows * cols; ++e) x[e] = round_output<kArithmetic>(x[e], rounding);
+  // X moves between the two buffers each step (no operand copy), and back into x at the end.
+  Lanes *current = x, *next = x_operand;
   for (int64_t step = 0; step < steps; ++step) {
     const float a = abc_list[3 * step], b = abc_list[3 * step + 1], c = abc_list[3 * step + 2];
-    gram_of<kArithmetic>(x, gram, side, length, v_row, v_col, rounding);            // gram = V V^T
-    symmetric_product<kArithmetic>(poly, gram, gram, gram, side, c, b, rounding);   // poly = c (gram gram) + b gram
-    multiply_x<kArithmetic>(x, x_operand, poly, rows, cols, true, a, rounding);     // X = poly X + a X (or X poly + a X)
+    gram_of<kArithmetic>(current, gram, side, length, v_row, v_col, rounding);       // gram = V V^T
+    symmetric_product<kArithmetic>(poly, gram, gram, gram, side, c, b, rounding);    // poly = c (gram gram) + b gram
+    multiply_x<kArithmetic>(next, current, poly, rows, cols, true, a, rounding);     // X = poly X + a X (or X poly + a X)
+    std::swap(current, next);
     pacer.step();
   }
+  if (current != x) std::copy(current, current + rows * cols, x);
 }
 
 // The shapes of many-matrix stacks (per-head blocks, MoE-like (n, 1, 1)
@@ -329,6 +368,7 @@ __attribute__((always_inline)) inline void iterate_group_gram(
   bool fresh = true;
   for (int64_t k = 0; k < steps; ++k) {
     if (polar_gram_restarts_before(static_cast<int>(k), restart_period)) {
+      std::copy(x, x + rows * cols, x_operand);
       multiply_x<kArithmetic>(x, x_operand, q, rows, cols, false, 0.0f, rounding);
       gram_of<kArithmetic>(x, r, side, length, v_row, v_col, rounding);
       fresh = true;
@@ -349,6 +389,7 @@ __attribute__((always_inline)) inline void iterate_group_gram(
     }
     pacer.step();
   }
+  std::copy(x, x + rows * cols, x_operand);
   multiply_x<kArithmetic>(x, x_operand, q, rows, cols, false, 0.0f, rounding);
 }
 
@@ -459,7 +500,10 @@ __attribute__((always_inline)) inline void transpose_16x16(Lanes* rows) {
                             {4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31},
                             {2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31},
                             {1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31}};
+  // Unrolled, so that the rows stay in registers (GCC keeps the stage loop otherwise, through the stack).
+#pragma GCC unroll 4
   for (int stage = 0, h = 8; stage < 4; ++stage, h /= 2) {
+#pragma GCC unroll 16
     for (int i = 0; i < kLanes; ++i) {
       if ((i & h) != 0) continue;
       const Lanes a = rows[i], b = rows[i + h];
@@ -469,11 +513,15 @@ __attribute__((always_inline)) inline void transpose_16x16(Lanes* rows) {
   }
 }
 
-// Whether every lane of x[0..count) holds a finite value.
+// Whether every lane of x[0..count) holds a finite value: x - x is 0 for
+// finite x and NaN otherwise, and a NaN survives the sums (eight of them,
+// so the additions do not wait on one another).
 __attribute__((always_inline)) inline bool all_finite(const Lanes* x, int64_t count) {
-  LaneBits non_finite = LaneBits{};
-  for (int64_t e = 0; e < count; ++e) non_finite |= ~below((LaneMask)(to_bits(x[e]) & 0x7FFFFFFFu), 0x7F800000);
-  return !any_lane(non_finite);
+  Lanes sums[8];
+  for (Lanes& s : sums) s = splat(0.0f);
+  for (int64_t e = 0; e < count; ++e) sums[e % 8] = sums[e % 8] + (x[e] - x[e]);
+  const Lanes sum = ((sums[0] + sums[1]) + (sums[2] + sums[3])) + ((sums[4] + sums[5]) + (sums[6] + sums[7]));
+  return !any_lane(~below((LaneMask)(to_bits(sum) & 0x7FFFFFFFu), 0x7F800000));
 }
 
 // The iterations on one group in the arithmetic of its polar_dtype: the
