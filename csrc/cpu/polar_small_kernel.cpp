@@ -401,6 +401,13 @@ __attribute__((always_inline)) inline LaneDoubles lane_sum_of_squares(const Lane
   LaneDoubles acc[8];
   for (LaneDoubles& a : acc) a = LaneDoubles{};
   int64_t k = 0;
+  if (count >= 8) {  // 0 + v * v is v * v, bit for bit (a square is +0, positive or a quiet NaN): no add
+    for (int l = 0; l < 8; ++l) {
+      const LaneDoubles v = __builtin_convertvector(x[l * stride], LaneDoubles);
+      acc[l] = v * v;
+    }
+    k = 8;
+  }
   for (; k + 8 <= count; k += 8) {
     for (int l = 0; l < 8; ++l) {
       const LaneDoubles v = __builtin_convertvector(x[(k + l) * stride], LaneDoubles);
@@ -464,16 +471,39 @@ __attribute__((always_inline)) inline void lane_normuon(Lanes* x, int64_t rows, 
   // The second moments into lanes (where the spent sums were; zeros in lanes
   // without a matrix, never read back), updated, and back.
   Lanes* smb = reinterpret_cast<Lanes*>(sums);
-  for (int64_t i = 0; i < len; ++i) smb[i] = splat(0.0f);
-  for (int64_t m = 0; m < members; ++m) {
-    for (int64_t i = 0; i < len; ++i) smb[i][m] = second_moments[m][i];
+  // A full group whose matrices' moments lie one after another (the fused
+  // step's) moves them with one gather and one scatter per statistic: lane
+  // by lane through memory, each vector would wait for its sixteen stores.
+  bool strided = members == kLanes;
+  for (int64_t m = 1; strided && m < members; ++m) strided = second_moments[m] == second_moments[0] + m * len;
+#if defined(__AVX512F__)
+  const __m512i offsets = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(int32_t(len)));
+#else
+  strided = false;
+#endif
+  if (strided) {
+#if defined(__AVX512F__)
+    for (int64_t i = 0; i < len; ++i) smb[i] = (Lanes)_mm512_i32gather_ps(offsets, second_moments[0] + i, 4);
+#endif
+  } else {
+    for (int64_t i = 0; i < len; ++i) smb[i] = splat(0.0f);
+    for (int64_t m = 0; m < members; ++m) {
+      for (int64_t i = 0; i < len; ++i) smb[i][m] = second_moments[m][i];
+    }
   }
   for (int64_t i = 0; i < len; ++i) {
     smb[i] = lerp_of(smb[i], vm[i], 1.0f - beta2);
     mult[i] = normuon_step_size_of<Lanes, LaneMath>(smb[i]);
   }
-  for (int64_t m = 0; m < members; ++m) {
-    for (int64_t i = 0; i < len; ++i) second_moments[m][i] = smb[i][m];
+  if (strided) {
+#if defined(__AVX512F__)
+    for (int64_t i = 0; i < len; ++i) _mm512_i32scatter_ps(second_moments[0] + i, offsets, (__m512)smb[i], 4);
+#endif
+  } else {
+    for (int64_t m = 0; m < members; ++m) {
+      for (int64_t i = 0; i < len; ++i) second_moments[m][i] = smb[i][m];
+    }
   }
   Lanes sum_vm = splat(0.0f), sum_scaled = splat(0.0f);
   for (int64_t i = 0; i < len; ++i) {
