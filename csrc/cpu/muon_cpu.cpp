@@ -816,12 +816,46 @@ using MasterStorage = std::conditional_t<M == MasterMode::kFP32, float, int16_t>
 
 constexpr int64_t kCacheLine = 64;
 
-// The lines of [p, p + bytes) appended to a SmallPrefetch list (bit 0: for writing).
-__attribute__((always_inline)) inline void add_prefetch_lines(std::vector<uintptr_t>& lines, const void* p,
+// The lines of [p, p + bytes) appended to a SmallPrefetch's ranges.
+__attribute__((always_inline)) inline void add_prefetch_range(std::vector<PrefetchRange>& ranges, const void* p,
                                                               int64_t bytes, bool for_write) {
   const uintptr_t first = reinterpret_cast<uintptr_t>(p) & ~uintptr_t(kCacheLine - 1);
   const uintptr_t end = reinterpret_cast<uintptr_t>(p) + uintptr_t(bytes);
-  for (uintptr_t line = first; line < end; line += kCacheLine) lines.push_back(line | uintptr_t(for_write));
+  if (end > first) ranges.push_back({first, int64_t((end - first + kCacheLine - 1) / kCacheLine), for_write});
+}
+
+// apply_range for BF16 params with remainders and no multiplier, a block at
+// a time: the updated masters into a buffer, then split, by the NaN-free form
+// where the block holds no NaN (the common case; both loops vectorize, the
+// full rule's NaN corrections were a third of the apply), else by the full
+// rule. Same bits as apply_range.
+__attribute__((always_inline)) inline void apply_remainder_blocks(uint16_t* hi, int16_t* rem, const float* x,
+                                                                  int64_t numel, float lr, float lr_wd) {
+  constexpr int64_t kBlock = 256;
+  alignas(64) float masters[kBlock];
+  for (int64_t begin = 0; begin < numel; begin += kBlock) {
+    const int64_t size = std::min(kBlock, numel - begin);
+    uint16_t* const block_hi = hi + begin;
+    int16_t* const block_rem = rem + begin;
+    const float* const block_x = x + begin;
+    uint32_t nan = 0;
+    for (int64_t k = 0; k < size; ++k) {
+      masters[k] = muon_ext::muon_apply(merge_master(block_hi[k], block_rem[k]), block_x[k], lr, lr_wd);
+      nan |= uint32_t(masters[k] != masters[k]);
+    }
+    auto split_with = [&](auto split_of) {
+      for (int64_t k = 0; k < size; ++k) {
+        const RemainderSplit split = split_of(masters[k]);
+        block_hi[k] = split.bf16_bits;
+        block_rem[k] = split.remainder;
+      }
+    };
+    if (nan == 0) {
+      split_with([](float m) { return split_master_bits_not_nan(float_to_bits(m)); });
+    } else {
+      split_with([](float m) { return split_master(m); });
+    }
+  }
 }
 
 // What every run of one step shares.
@@ -846,7 +880,7 @@ struct SmallBuffers {
   std::vector<float> x, scales, mult;
   std::vector<double> sums;
   std::vector<float*> smb_of;  // each matrix's second moments, for NorMuon in the lanes
-  std::vector<uintptr_t> prefetch_lines;
+  std::vector<PrefetchRange> prefetch_ranges;
 };
 
 // The matrices [begin, end) of the bucket through the whole step. Cloned per
@@ -859,24 +893,24 @@ MUON_EXT_ISA_CLONES void small_step_run(const SmallStep& s, int64_t begin, int64
   float* const u = buf.x.data();
   // Prefetch what the apply of this run and the momentum of the next will
   // read, paced by the iterations, so those loads overlap their arithmetic.
-  buf.prefetch_lines.clear();
+  buf.prefetch_ranges.clear();
   const int64_t ahead = std::min(end + (end - begin), s.starts.back());
   for (int64_t at = begin, p = first_param; at < ahead; ++p) {
     const int64_t stop = std::min(ahead, s.starts[p + 1]), own_end = std::min(stop, end), next = std::max(at, end);
     if (at < own_end) {
       const int64_t offset = (at - s.starts[p]) * n, numel = (own_end - at) * n;
-      add_prefetch_lines(buf.prefetch_lines, static_cast<char*>(s.params[p]) + offset * int64_t(sizeof(ParamStorage<P>)),
+      add_prefetch_range(buf.prefetch_ranges, static_cast<char*>(s.params[p]) + offset * int64_t(sizeof(ParamStorage<P>)),
                          numel * int64_t(sizeof(ParamStorage<P>)), true);
       if constexpr (M != MasterMode::kNone) {
-        add_prefetch_lines(buf.prefetch_lines,
+        add_prefetch_range(buf.prefetch_ranges,
                            static_cast<char*>(s.masters[p]) + offset * int64_t(sizeof(MasterStorage<M>)),
                            numel * int64_t(sizeof(MasterStorage<M>)), true);
       }
     }
     if (next < stop) {
       const int64_t offset = (next - s.starts[p]) * n, numel = (stop - next) * n;
-      add_prefetch_lines(buf.prefetch_lines, s.moms[p] + offset, numel * int64_t(sizeof(float)), true);
-      add_prefetch_lines(buf.prefetch_lines,
+      add_prefetch_range(buf.prefetch_ranges, s.moms[p] + offset, numel * int64_t(sizeof(float)), true);
+      add_prefetch_range(buf.prefetch_ranges,
                          static_cast<const char*>(s.grads[p]) + offset * int64_t(sizeof(ParamStorage<G>)),
                          numel * int64_t(sizeof(ParamStorage<G>)), false);
     }
@@ -907,7 +941,7 @@ MUON_EXT_ISA_CLONES void small_step_run(const SmallStep& s, int64_t begin, int64
       at = stop;
     }
   }
-  const SmallPrefetch prefetch{buf.prefetch_lines.data(), static_cast<int64_t>(buf.prefetch_lines.size())};
+  const SmallPrefetch prefetch{buf.prefetch_ranges.data(), static_cast<int64_t>(buf.prefetch_ranges.size())};
   polar_express_small_matrices(u, buf.scales.data(), end - begin, s.rows, s.cols, s.abc, s.steps, s.rounding,
                                s.gram, lane_normuon ? &normuon : nullptr, &prefetch, buf.polar.data());
   for (int64_t at = begin, p = first_param; at < end; ++p) {
@@ -923,8 +957,13 @@ MUON_EXT_ISA_CLONES void small_step_run(const SmallStep& s, int64_t begin, int64
       }
     }
     if (count > 0) {
-      void* master = s.masters.empty() ? nullptr : s.masters[p];
-      apply_range<P, M>(s.params[p], master, xs, nullptr, true, count * n, first * n, 0, count * n, s.lr, s.lr_wd);
+      if constexpr (P == ScalarKind::kBFloat16 && M == MasterMode::kRemainder) {
+        apply_remainder_blocks(static_cast<uint16_t*>(s.params[p]) + first * n,
+                               static_cast<int16_t*>(s.masters[p]) + first * n, xs, count * n, s.lr, s.lr_wd);
+      } else {
+        void* master = s.masters.empty() ? nullptr : s.masters[p];
+        apply_range<P, M>(s.params[p], master, xs, nullptr, true, count * n, first * n, 0, count * n, s.lr, s.lr_wd);
+      }
     }
     at += count;
   }

@@ -51,12 +51,17 @@ struct SmallNorMuon {
 // NorMuon in the lanes up to this many statistics per matrix (its scratch grows with them).
 constexpr int64_t kSmallNorMuonMaxStats = 128;
 
-// Cache lines to prefetch while the groups iterate (the fused step's next
-// loads), issued a share after each iteration step so that they overlap the
-// arithmetic instead of queueing at once: line addresses, bit 0 set for a
-// line that will be written.
+// Memory to prefetch while the groups iterate (the fused step's next loads),
+// issued a share after each iteration step so that the loads overlap the
+// arithmetic instead of queueing at once: `lines` cache lines from
+// `first_line` (64-byte aligned), to be written or only read.
+struct PrefetchRange {
+  uintptr_t first_line;
+  int64_t lines;
+  bool for_write;
+};
 struct SmallPrefetch {
-  const uintptr_t* lines;
+  const PrefetchRange* ranges;
   int64_t count;
 };
 

@@ -283,24 +283,28 @@ __attribute__((always_inline)) inline void multiply_x(Lanes* x, const Lanes* x_o
 class PrefetchPacer {
  public:
   PrefetchPacer(const SmallPrefetch* prefetch, int64_t total)
-      : lines_(prefetch != nullptr ? prefetch->lines : nullptr), count_(prefetch != nullptr ? prefetch->count : 0),
-        total_(std::max<int64_t>(total, 1)) {}
+      : ranges_(prefetch != nullptr ? prefetch->ranges : nullptr),
+        range_count_(prefetch != nullptr ? prefetch->count : 0), total_(std::max<int64_t>(total, 1)) {
+    for (int64_t r = 0; r < range_count_; ++r) count_ += ranges_[r].lines;
+  }
   __attribute__((always_inline)) void step() { issue_up_to(count_ * std::min(++done_, total_) / total_); }
   __attribute__((always_inline)) void finish() { issue_up_to(count_); }
 
  private:
   __attribute__((always_inline)) void issue_up_to(int64_t end) {
     for (; issued_ < end; ++issued_) {
-      const uintptr_t line = lines_[issued_];
-      if ((line & 1u) != 0) {
-        __builtin_prefetch(reinterpret_cast<const char*>(line - 1), 1, 3);
+      const PrefetchRange& range = ranges_[range_];
+      const char* line = reinterpret_cast<const char*>(range.first_line + uintptr_t(64 * line_));
+      if (range.for_write) {
+        __builtin_prefetch(line, 1, 3);
       } else {
-        __builtin_prefetch(reinterpret_cast<const char*>(line), 0, 3);
+        __builtin_prefetch(line, 0, 3);
       }
+      if (++line_ == range.lines) ++range_, line_ = 0;
     }
   }
-  const uintptr_t* lines_;
-  int64_t count_, total_, done_ = 0, issued_ = 0;
+  const PrefetchRange* ranges_;
+  int64_t range_count_, total_, count_ = 0, done_ = 0, issued_ = 0, range_ = 0, line_ = 0;
 };
 
 // The iterations on one group of matrices in lanes: x [rows * cols], its

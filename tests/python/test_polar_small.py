@@ -212,6 +212,23 @@ def test_fused_small_step_equals_the_phases_for_every_setting(setting):
     _assert_bits(fused, phased, str(setting))
 
 
+def test_fused_small_step_splits_nan_masters_by_the_full_rule():
+    """The fused apply splits a block without NaNs by the NaN-free form: blocks
+    with NaN masters (the high halves where the split's NaN corrections act:
+    0x7F81, 0x7FFF, a negative NaN), an infinite grad, and clean blocks beside
+    them give the phased step's bits."""
+    bucket = _bucket([(300, 8, 8)], seed=5, master_mode="remainder")
+    hi = bucket["params"][0].view(torch.int16).view(-1)
+    for at, pattern in ((3, 0x7F81), (700, 0x7FFF), (701, 0x7F80), (5000, -0x40)):  # -0x40: 0xFFC0
+        hi[at] = pattern
+    bucket["grads"][0].view(-1)[9000] = float("inf")
+    fused, phased = _clone(bucket), _clone(bucket)
+    _fused_step(fused)
+    _phased_step(phased)
+    _assert_bits(fused, phased, "NaN masters")
+    assert fused["params"][0].isnan().any() and not fused["params"][0][-100:].isnan().any()
+
+
 def test_fused_small_step_bits_do_not_depend_on_position_address_or_threads():
     """Matrices 5.. of a 300-matrix stack stepped as their own stack (other runs,
     lanes and neighbours), at an odd storage offset, at 1 and 2 threads."""
