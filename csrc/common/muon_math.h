@@ -65,9 +65,12 @@ MUON_HD float muon_momentum(float& mom, float grad, float mu, bool nesterov) {
 }
 
 // X = u / (||u||_F * 1.02 + 1e-6): the factor, from the sum of squares of u.
-MUON_HD float polar_input_scale(float sum_of_squares) {
-  return 1.0f / (::sqrtf(sum_of_squares) * 1.02f + 1e-6f);
+template <typename T, typename Ops = MuonMathOps<T>>
+MUON_HD T polar_input_scale_of(T sum_of_squares) {
+  return 1.0f / (Ops::sqrt(sum_of_squares) * 1.02f + 1e-6f);
 }
+
+MUON_HD float polar_input_scale(float sum_of_squares) { return polar_input_scale_of(sum_of_squares); }
 
 // NorMuon's per-row (rows >= cols) or per-column statistics of one matrix.
 // `reduced` is the length of the reduced dimension (cols or rows).

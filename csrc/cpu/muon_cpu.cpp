@@ -875,9 +875,9 @@ struct SmallStep {
 // One thread's buffers for a run of up to `matrices` matrices.
 struct SmallBuffers {
   SmallBuffers(int64_t matrices, int64_t n, int64_t len, int64_t polar_floats)
-      : polar(polar_floats), x(matrices * n), scales(matrices), mult(len), sums(len), smb_of(matrices) {}
+      : polar(polar_floats), x(matrices * n), mult(len), sums(len), smb_of(matrices) {}
   PolarSmallScratch polar;
-  std::vector<float> x, scales, mult;
+  std::vector<float> x, mult;
   std::vector<double> sums;
   std::vector<float*> smb_of;  // each matrix's second moments, for NorMuon in the lanes
   std::vector<PrefetchRange> prefetch_ranges;
@@ -927,10 +927,6 @@ MUON_EXT_ISA_CLONES void small_step_run(const SmallStep& s, int64_t begin, int64
     }
     at += count;
   }
-  // One work item per matrix (n <= kWorkItem): scale_by_input_norm's sum.
-  for (int64_t j = 0; j < end - begin; ++j) {
-    buf.scales[j] = polar_input_scale(static_cast<float>(sum_of_squares(u + j * n, n)));
-  }
   // NorMuon in the lanes where its statistics fit the scratch, else per matrix below.
   const bool lane_normuon = s.normuon && len <= kSmallNorMuonMaxStats;
   SmallNorMuon normuon{buf.smb_of.data(), s.beta2};
@@ -942,7 +938,7 @@ MUON_EXT_ISA_CLONES void small_step_run(const SmallStep& s, int64_t begin, int64
     }
   }
   const SmallPrefetch prefetch{buf.prefetch_ranges.data(), static_cast<int64_t>(buf.prefetch_ranges.size())};
-  polar_express_small_matrices(u, buf.scales.data(), end - begin, s.rows, s.cols, s.abc, s.steps, s.rounding,
+  polar_express_small_matrices(u, true, end - begin, s.rows, s.cols, s.abc, s.steps, s.rounding,
                                s.gram, lane_normuon ? &normuon : nullptr, &prefetch, buf.polar.data());
   for (int64_t at = begin, p = first_param; at < end; ++p) {
     const int64_t count = std::min(end, s.starts[p + 1]) - at, first = at - s.starts[p];

@@ -19,7 +19,7 @@ namespace {
 
 // The kernel of the best instruction set built in and allowed here (ATen's
 // CPU capability, which ATEN_CPU_CAPABILITY caps).
-using GroupsKernel = void (*)(float*, const float*, int64_t, int64_t, int64_t, const float*, int64_t, PolarRounding,
+using GroupsKernel = void (*)(float*, bool, int64_t, int64_t, int64_t, const float*, int64_t, PolarRounding,
                               bool, const SmallNorMuon*, const SmallPrefetch*, float*);
 
 GroupsKernel groups_kernel() {
@@ -46,11 +46,11 @@ int64_t polar_small_scratch_floats(int64_t rows, int64_t cols, bool gram, bool n
   return int64_t(kPolarSmallLanes) * (2 * n + (gram ? 4 : 2) * side * side + stats);
 }
 
-void polar_express_small_matrices(float* xs, const float* input_scales, int64_t count, int64_t rows, int64_t cols,
+void polar_express_small_matrices(float* xs, bool scale_by_input_norm, int64_t count, int64_t rows, int64_t cols,
                                   const float* abc, int64_t steps, PolarRounding rounding, bool gram,
                                   const SmallNorMuon* normuon, const SmallPrefetch* prefetch, float* scratch) {
   TORCH_INTERNAL_ASSERT(reinterpret_cast<uintptr_t>(scratch) % 64 == 0);
-  groups_kernel()(xs, input_scales, count, rows, cols, abc, steps, rounding, gram, normuon, prefetch, scratch);
+  groups_kernel()(xs, scale_by_input_norm, count, rows, cols, abc, steps, rounding, gram, normuon, prefetch, scratch);
 }
 
 PolarSmallScratch::PolarSmallScratch(int64_t floats)
@@ -69,7 +69,7 @@ void polar_express_small(float* xs, int64_t count, int64_t rows, int64_t cols,
   at::parallel_for(0, groups, grain, [&](int64_t first, int64_t last) {
     PolarSmallScratch scratch(polar_small_scratch_floats(rows, cols, gram, false));
     const int64_t begin = first * kPolarSmallLanes, end = std::min(count, last * kPolarSmallLanes);
-    polar_express_small_matrices(xs + begin * n, nullptr, end - begin, rows, cols, abc.data(),
+    polar_express_small_matrices(xs + begin * n, false, end - begin, rows, cols, abc.data(),
                                  static_cast<int64_t>(coefficients.size()), rounding, gram, nullptr, nullptr,
                                  scratch.data());
   });

@@ -79,12 +79,13 @@ class PolarSmallScratch {
 };
 
 // The iterations on `count` contiguous FP32 [rows, cols] matrices at xs, in
-// place, on the calling thread, group by group. With input_scales, matrix j
-// enters as x * input_scales[j] (the input scaling, done in the lanes); abc
+// place, on the calling thread, group by group. With scale_by_input_norm,
+// each matrix enters as x * polar_input_scale(its sum of squares), computed
+// in the lanes (muon_cpu.cpp's sum_of_squares, lane by lane: the same bits); abc
 // holds `steps` (a, b, c) triples; with normuon (stat_length <=
 // kSmallNorMuonMaxStats), NorMuon follows in the lanes; prefetch may be
 // null; scratch has polar_small_scratch_floats().
-void polar_express_small_matrices(float* xs, const float* input_scales, int64_t count, int64_t rows, int64_t cols,
+void polar_express_small_matrices(float* xs, bool scale_by_input_norm, int64_t count, int64_t rows, int64_t cols,
                                   const float* abc, int64_t steps, PolarRounding rounding, bool gram,
                                   const SmallNorMuon* normuon, const SmallPrefetch* prefetch, float* scratch);
 
@@ -92,7 +93,7 @@ void polar_express_small_matrices(float* xs, const float* input_scales, int64_t 
 // (polar_small_kernel.cpp); scratch is 64-byte aligned.
 #define MUON_EXT_DECLARE_POLAR_SMALL_KERNEL(ISA)                                                                     \
   namespace ISA {                                                                                                   \
-  void polar_small_groups(float* xs, const float* input_scales, int64_t count, int64_t rows, int64_t cols,          \
+  void polar_small_groups(float* xs, bool scale_by_input_norm, int64_t count, int64_t rows, int64_t cols,          \
                           const float* abc, int64_t steps, PolarRounding rounding, bool gram,                       \
                           const SmallNorMuon* normuon, const SmallPrefetch* prefetch, float* scratch);              \
   }

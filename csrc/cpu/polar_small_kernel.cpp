@@ -587,7 +587,7 @@ __attribute__((always_inline)) inline void iterate_group_in(Lanes* x, Lanes* squ
 // (scaled on the way in), iterated, and transposed back. Everything above is
 // inlined into it (compiled for this build's instruction set).
 void iterate_groups(
-    float* xs, const float* input_scales, int64_t count, int64_t rows, int64_t cols, const float* abc,
+    float* xs, bool scale_by_input_norm, int64_t count, int64_t rows, int64_t cols, const float* abc,
     int64_t steps, PolarRounding rounding, bool gram, const SmallNorMuon* normuon, const SmallPrefetch* prefetch,
     Lanes* x) {
   const int64_t n = rows * cols, side = std::min(rows, cols), len = shapes::stat_length(rows, cols);
@@ -620,14 +620,10 @@ void iterate_groups(
         for (int64_t e = 0; e < n; ++e) lanes[e * kLanes + m] = 0.0f;
       }
     }
-    if (input_scales != nullptr) {
-      // u * scale per lane, the scalar product of the unfused path.
-      Lanes scale = splat(1.0f);
-      if (members == kLanes) {
-        std::memcpy(&scale, input_scales + first, sizeof(Lanes));
-      } else {
-        for (int64_t m = 0; m < members; ++m) scale[m] = input_scales[first + m];
-      }
+    if (scale_by_input_norm) {
+      // u * polar_input_scale(float(sum of squares of u)) per lane, as the unfused path.
+      const Lanes sums = __builtin_convertvector(lane_sum_of_squares(x, 1, n), Lanes);
+      const Lanes scale = polar_input_scale_of<Lanes, LaneMath>(sums);
       for (int64_t e = 0; e < n; ++e) x[e] = x[e] * scale;
     }
     };
@@ -667,10 +663,10 @@ void iterate_groups(
 
 }  // namespace
 
-void polar_small_groups(float* xs, const float* input_scales, int64_t count, int64_t rows, int64_t cols,
+void polar_small_groups(float* xs, bool scale_by_input_norm, int64_t count, int64_t rows, int64_t cols,
                         const float* abc, int64_t steps, PolarRounding rounding, bool gram,
                         const SmallNorMuon* normuon, const SmallPrefetch* prefetch, float* scratch) {
-  iterate_groups(xs, input_scales, count, rows, cols, abc, steps, rounding, gram, normuon, prefetch,
+  iterate_groups(xs, scale_by_input_norm, count, rows, cols, abc, steps, rounding, gram, normuon, prefetch,
                  reinterpret_cast<Lanes*>(scratch));
 }
 
