@@ -182,6 +182,10 @@ FUSED_BUCKETS = {
     "1x1_stack": [(5000, 1, 1), (3, 1, 1)],
     "3x7_wide": [(300, 3, 7)],
     "7x3_tall": [(2, 45, 7, 3)],
+    # 2, 4 and 16 NorMuon statistics per matrix, full lane groups (8: the 8x8 stacks).
+    "2x2": [(48, 2, 2)],
+    "4x2": [(32, 4, 2), (17, 4, 2)],
+    "4x16": [(40, 4, 16)],
     "many_params": [(5, 9)] * 21,
     # More NorMuon statistics per matrix than the lanes' scratch holds: per matrix.
     "1x200_wide": [(40, 1, 200)],
