@@ -44,16 +44,6 @@ MUON_HD RemainderSplit split_master_bits(uint32_t bits) {
   return out;
 }
 
-// split_master_bits for a pattern that is not a NaN: its corrections apply
-// to NaNs only, and (bits >> 16) + (lo >> 15) is (bits + 0x8000) >> 16
-// modulo 2^16. Callers check for NaNs first (a block at a time).
-MUON_HD RemainderSplit split_master_bits_not_nan(uint32_t bits) {
-  RemainderSplit out;
-  out.remainder = int16_t(uint16_t(bits & 0xFFFFu));
-  out.bf16_bits = uint16_t((bits + 0x8000u) >> 16);
-  return out;
-}
-
 // TransformerEngine's merge, unchanged: a NaN BF16 (magnitude 0x7F81..0x7FFF)
 // merges to a NaN for every remainder (a negative one lowers the high half by
 // one, at worst to 0x7F80, and then leaves a low half >= 0x8000), so the

@@ -30,6 +30,7 @@
 #include "../common/polar_plan.h"
 #include "../common/remainder.h"
 #include "../common/shapes.h"
+#include "adamw_cpu.h"
 #include "bf16_tile_gemm.h"
 #include "polar_small.h"
 #include "scratch_pool.h"
@@ -824,38 +825,16 @@ __attribute__((always_inline)) inline void add_prefetch_range(std::vector<Prefet
   if (end > first) ranges.push_back({first, int64_t((end - first + kCacheLine - 1) / kCacheLine), for_write});
 }
 
-// apply_range for BF16 params with remainders and no multiplier, a block at
-// a time: the updated masters into a buffer, then split, by the NaN-free form
-// where the block holds no NaN (the common case; both loops vectorize, the
-// full rule's NaN corrections were a third of the apply), else by the full
-// rule. Same bits as apply_range.
-__attribute__((always_inline)) inline void apply_remainder_blocks(uint16_t* hi, int16_t* rem, const float* x,
-                                                                  int64_t numel, float lr, float lr_wd) {
-  constexpr int64_t kBlock = 256;
-  alignas(64) float masters[kBlock];
-  for (int64_t begin = 0; begin < numel; begin += kBlock) {
-    const int64_t size = std::min(kBlock, numel - begin);
-    uint16_t* const block_hi = hi + begin;
-    int16_t* const block_rem = rem + begin;
-    const float* const block_x = x + begin;
-    uint32_t nan = 0;
-    for (int64_t k = 0; k < size; ++k) {
-      masters[k] = muon_ext::muon_apply(merge_master(block_hi[k], block_rem[k]), block_x[k], lr, lr_wd);
-      nan |= uint32_t(masters[k] != masters[k]);
-    }
-    auto split_with = [&](auto split_of) {
-      for (int64_t k = 0; k < size; ++k) {
-        const RemainderSplit split = split_of(masters[k]);
-        block_hi[k] = split.bf16_bits;
-        block_rem[k] = split.remainder;
-      }
-    };
-    if (nan == 0) {
-      split_with([](float m) { return split_master_bits_not_nan(float_to_bits(m)); });
-    } else {
-      split_with([](float m) { return split_master(m); });
-    }
-  }
+// apply_range for BF16 params with remainders and no multiplier, in two
+// passes: the updated masters over the spent updates x, then split by the
+// AdamW kernel's split_master_block for `capability` (a vector without a NaN
+// by the NaN-free form: the full rule's NaN corrections per element were a
+// third of the apply). Same bits as apply_range.
+__attribute__((always_inline)) inline void apply_remainder_in_two_passes(uint16_t* hi, int16_t* rem, float* x,
+                                                                         int64_t numel, float lr, float lr_wd,
+                                                                         CpuCapability capability) {
+  for (int64_t k = 0; k < numel; ++k) x[k] = muon_ext::muon_apply(merge_master(hi[k], rem[k]), x[k], lr, lr_wd);
+  split_master_block(x, hi, rem, numel, capability);
 }
 
 // What every run of one step shares.
@@ -864,6 +843,7 @@ struct SmallStep {
   bool per_row, nesterov, normuon, gram;
   float mu, beta2, inv_scale, lr, lr_wd;
   PolarRounding rounding;
+  CpuCapability capability;  // of the remainder split in the apply
   const float* abc;
   int64_t steps;
   std::vector<int64_t> starts;  // each param's first matrix number, and the total
@@ -954,8 +934,9 @@ MUON_EXT_ISA_CLONES void small_step_run(const SmallStep& s, int64_t begin, int64
     }
     if (count > 0) {
       if constexpr (P == ScalarKind::kBFloat16 && M == MasterMode::kRemainder) {
-        apply_remainder_blocks(static_cast<uint16_t*>(s.params[p]) + first * n,
-                               static_cast<int16_t*>(s.masters[p]) + first * n, xs, count * n, s.lr, s.lr_wd);
+        apply_remainder_in_two_passes(static_cast<uint16_t*>(s.params[p]) + first * n,
+                                      static_cast<int16_t*>(s.masters[p]) + first * n, xs, count * n, s.lr, s.lr_wd,
+                                      s.capability);
       } else {
         void* master = s.masters.empty() ? nullptr : s.masters[p];
         apply_range<P, M>(s.params[p], master, xs, nullptr, true, count * n, first * n, 0, count * n, s.lr, s.lr_wd);
@@ -973,6 +954,7 @@ void small_step(const MuonBucket& b, const MuonStepOptions& o, float inv_scale, 
   s.gram = polar_method_for(o.polar_method, b.rows, b.cols) == PolarMethod::kGram;
   s.mu = o.hyper.momentum, s.beta2 = o.hyper.beta2, s.inv_scale = inv_scale, s.lr = lr, s.lr_wd = lr_wd;
   s.rounding = rounding_of(o.polar_dtype);
+  s.capability = best_capability();
   std::vector<float> abc;
   for (const auto& t : o.coefficients) abc.insert(abc.end(), t.begin(), t.end());
   s.abc = abc.data();

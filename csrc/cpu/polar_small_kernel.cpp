@@ -283,9 +283,8 @@ __attribute__((always_inline)) inline void multiply_x(Lanes* x, const Lanes* x_o
 class PrefetchPacer {
  public:
   PrefetchPacer(const SmallPrefetch* prefetch, int64_t total)
-      : ranges_(prefetch != nullptr ? prefetch->ranges : nullptr),
-        range_count_(prefetch != nullptr ? prefetch->count : 0), total_(std::max<int64_t>(total, 1)) {
-    for (int64_t r = 0; r < range_count_; ++r) count_ += ranges_[r].lines;
+      : ranges_(prefetch != nullptr ? prefetch->ranges : nullptr), total_(std::max<int64_t>(total, 1)) {
+    for (int64_t r = 0; prefetch != nullptr && r < prefetch->count; ++r) count_ += ranges_[r].lines;
   }
   __attribute__((always_inline)) void step() { issue_up_to(count_ * std::min(++done_, total_) / total_); }
   __attribute__((always_inline)) void finish() { issue_up_to(count_); }
@@ -304,7 +303,7 @@ class PrefetchPacer {
     }
   }
   const PrefetchRange* ranges_;
-  int64_t range_count_, total_, count_ = 0, done_ = 0, issued_ = 0, range_ = 0, line_ = 0;
+  int64_t total_, count_ = 0, done_ = 0, issued_ = 0, range_ = 0, line_ = 0;
 };
 
 // The iterations on one group of matrices in lanes: x [rows * cols], its

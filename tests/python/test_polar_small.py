@@ -217,7 +217,7 @@ def test_fused_small_step_equals_the_phases_for_every_setting(setting):
 
 
 def test_fused_small_step_splits_nan_masters_by_the_full_rule():
-    """The fused apply splits a block without NaNs by the NaN-free form: blocks
+    """The fused apply splits a vector without NaNs by the NaN-free form: blocks
     with NaN masters (the high halves where the split's NaN corrections act:
     0x7F81, 0x7FFF, a negative NaN), an infinite grad, and clean blocks beside
     them give the phased step's bits."""
