@@ -161,8 +161,7 @@ void launch_adamw(const std::vector<at::Tensor>& params, const std::vector<at::T
                   const std::vector<at::Tensor>& masters, const std::vector<at::Tensor>& steps,
                   const AdamWFunctor<P, G, M>& functor) {
   // What can refuse the element launches is checked before the counters move.
-  check_cuda_settings();
-  const int max_blocks = blocks_per_launch();
+  const int max_blocks = read_cuda_settings().blocks_per_launch;
   check_kernel_arg_capacity();
   // Every param's counter advances, empty params included, as on the CPU.
   increment_steps(steps, functor.found_inf_ptr, at::cuda::getCurrentCUDAStream());

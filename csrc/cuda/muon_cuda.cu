@@ -536,6 +536,7 @@ struct OrthogonalizeSpec {
   int64_t polar_row_blocks;
   PolarDtype polar_dtype;
   PolarMethod polar_method;  // as given: resolved per shape by polar_method_for
+  bool polar_fold_copies;    // CudaSettings's, read at the entry point
   const std::vector<at::Tensor>* second_moments;  // per bucket tensor; read when normuon
   const float* found_inf;
   const char* op;  // for error messages
@@ -587,7 +588,7 @@ class MatrixChunks {
     const at::TensorOptions f32 = tensors.front().options().dtype(at::kFloat);
     x_ = at::empty({capacity_, spec.rows, spec.cols}, f32.dtype(x_dtype));
     polar_ = make_polar_express_workspace(orthogonalize ? capacity_ : 0, spec.rows, spec.cols, f32.dtype(x_dtype),
-                                          method);
+                                          method, spec.polar_fold_copies);
     partials_ = at::empty({capacity_, blocks_per_matrix_}, f32.dtype(at::kDouble));
     scale_ = at::empty({capacity_}, f32);
     if (spec.normuon) stats_ = at::empty({capacity_, stat_length_}, f32);
@@ -721,7 +722,7 @@ LrArgs lr_args(double lr, const c10::optional<at::Tensor>& lr_tensor, float lr_f
 }
 
 template <typename G, typename P, MasterMode M>
-void run_muon_step(const MuonBucket& bucket, const MuonStepOptions& options) {
+void run_muon_step(const MuonBucket& bucket, const MuonStepOptions& options, const CudaSettings& settings) {
   const MuonHyper& hyper = options.hyper;
   const MatrixChunks chunks(bucket.params, {.rows = bucket.rows,
                                             .cols = bucket.cols,
@@ -732,6 +733,7 @@ void run_muon_step(const MuonBucket& bucket, const MuonStepOptions& options) {
                                             .polar_row_blocks = options.polar_row_blocks,
                                             .polar_dtype = options.polar_dtype,
                                             .polar_method = options.polar_method,
+                                            .polar_fold_copies = settings.polar_fold_copies,
                                             .second_moments = &bucket.second_momentum_buffers,
                                             .found_inf = optional_ptr(options.found_inf),
                                             .op = "muon_step"});
@@ -752,7 +754,7 @@ void run_muon_step(const MuonBucket& bucket, const MuonStepOptions& options) {
 }  // namespace
 
 void muon_step(const MuonBucket& bucket, const MuonStepOptions& options) {
-  check_cuda_settings();  // before anything is enqueued (csrc/cuda/settings.h)
+  const CudaSettings settings = read_cuda_settings();  // before anything is enqueued
   if (bucket.params.empty()) return;
   const size_t count = bucket.params.size();
   TORCH_CHECK(bucket.grads.size() == count && bucket.momentum_buffers.size() == count &&
@@ -763,13 +765,13 @@ void muon_step(const MuonBucket& bucket, const MuonStepOptions& options) {
   // Unsupported combinations fail here, before anything is enqueued.
   dispatch_storage(bucket.grads.front().scalar_type(), "grad", [&](auto grad_format) {
     dispatch_param(bucket.params.front().scalar_type(), bucket.master_mode, [&](auto param_format, auto master) {
-      run_muon_step<decltype(grad_format), decltype(param_format), decltype(master)::value>(bucket, options);
+      run_muon_step<decltype(grad_format), decltype(param_format), decltype(master)::value>(bucket, options, settings);
     });
   });
 }
 
 void muon_momentum(const MuonMomentumArgs& args) {
-  check_cuda_settings();  // before anything is enqueued (csrc/cuda/settings.h)
+  const CudaSettings settings = read_cuda_settings();  // before anything is enqueued
   if (args.grads.empty()) return;
   const size_t count = args.grads.size();
   TORCH_CHECK(args.momentum_buffers.size() == count && args.updates.size() == count,
@@ -780,12 +782,12 @@ void muon_momentum(const MuonMomentumArgs& args) {
   dispatch_storage(args.grads.front().scalar_type(), "grad", [&](auto grad_format) {
     const MomentumFunctor<decltype(grad_format)> functor{momentum, optional_ptr(args.found_inf)};
     multi_tensor_apply<3>({&args.grads, &args.momentum_buffers, &args.updates}, nullptr, kElementsPerBlock,
-                          blocks_per_launch(), functor);
+                          settings.blocks_per_launch, functor);
   });
 }
 
 void muon_orthogonalize(const MuonOrthogonalizeArgs& args) {
-  check_cuda_settings();  // before anything is enqueued (csrc/cuda/settings.h)
+  const CudaSettings settings = read_cuda_settings();  // before anything is enqueued
   if (args.updates.empty()) return;
   TORCH_CHECK(!args.normuon || args.second_momentum_buffers.size() == args.updates.size(),
               "muon_orthogonalize: every tensor list needs one entry per update");
@@ -799,6 +801,7 @@ void muon_orthogonalize(const MuonOrthogonalizeArgs& args) {
                                            .polar_row_blocks = args.polar_row_blocks,
                                            .polar_dtype = args.polar_dtype,
                                            .polar_method = args.polar_method,
+                                           .polar_fold_copies = settings.polar_fold_copies,
                                            .second_moments = &args.second_momentum_buffers,
                                            .found_inf = optional_ptr(args.found_inf),
                                            .op = "muon_orthogonalize"});
@@ -811,7 +814,7 @@ void muon_orthogonalize(const MuonOrthogonalizeArgs& args) {
 }
 
 void muon_apply(const MuonApplyArgs& args) {
-  check_cuda_settings();  // before anything is enqueued (csrc/cuda/settings.h)
+  const CudaSettings settings = read_cuda_settings();  // before anything is enqueued
   if (args.params.empty()) return;
   const size_t count = args.params.size();
   TORCH_CHECK(args.updates.size() == count && (args.master_mode == MasterMode::kNone || args.masters.size() == count),
@@ -823,10 +826,10 @@ void muon_apply(const MuonApplyArgs& args) {
     constexpr MasterMode M = decltype(master)::value;
     const ApplyFunctor<decltype(param_format), M> functor{lr, found_inf};
     if constexpr (M == MasterMode::kNone) {
-      multi_tensor_apply<2>({&args.params, &args.updates}, nullptr, kElementsPerBlock, blocks_per_launch(), functor);
+      multi_tensor_apply<2>({&args.params, &args.updates}, nullptr, kElementsPerBlock, settings.blocks_per_launch, functor);
     } else {
       multi_tensor_apply<3>({&args.params, &args.masters, &args.updates}, nullptr, kElementsPerBlock,
-                            blocks_per_launch(), functor);
+                            settings.blocks_per_launch, functor);
     }
   });
 }

@@ -13,6 +13,7 @@
 #include <ATen/cuda/Exceptions.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/util/Exception.h>
 #include <cublasLt.h>
 #include <cublas_v2.h>
@@ -22,9 +23,10 @@
 #include <cstdint>
 #include <deque>
 #include <limits>
+#include <mutex>
+#include <unordered_map>
 
 #include "../common/polar_plan.h"
-#include "settings.h"
 
 namespace muon_ext {
 namespace cuda {
@@ -117,10 +119,59 @@ uint32_t alignment_of(const void* p, int64_t ld_bytes, int64_t stride_bytes) {
   return alignment;
 }
 
+// cublasLt's answers, by everything its heuristic was asked (device, types,
+// transposes, sizes, leading dimensions, batch, strides, alignments,
+// workspace): the query costs host time at every GEMM of every step, and its
+// answer depends on nothing else. Kept per process, emptied when it holds
+// kMaxEntries (shapes and alignments that come and go cannot grow it without
+// bound).
+class LtAlgoCache {
+ public:
+  using Key = std::array<int64_t, 20>;
+  struct Answer {
+    bool found;
+    cublasLtMatmulAlgo_t algo;
+  };
+
+  static LtAlgoCache& instance() {
+    static LtAlgoCache cache;
+    return cache;
+  }
+
+  // The cached answer for key, or ask() once and keep its answer.
+  template <typename Ask>
+  Answer find_or_ask(const Key& key, Ask&& ask) {
+    {
+      const std::lock_guard<std::mutex> lock(mutex_);
+      const auto found = answers_.find(key);
+      if (found != answers_.end()) return found->second;
+    }
+    const Answer answer = ask();  // outside the lock: another thread may ask the same, with the same answer
+    const std::lock_guard<std::mutex> lock(mutex_);
+    if (answers_.size() >= kMaxEntries) answers_.clear();
+    answers_.emplace(key, answer);
+    return answer;
+  }
+
+ private:
+  static constexpr size_t kMaxEntries = 4096;
+  struct KeyHash {
+    size_t operator()(const Key& key) const {
+      uint64_t hash = 1469598103934665603ull;  // FNV-1a over the words
+      for (const int64_t word : key) hash = (hash ^ uint64_t(word)) * 1099511628211ull;
+      return size_t(hash);
+    }
+  };
+  std::mutex mutex_;
+  std::unordered_map<Key, Answer, KeyHash> answers_;
+};
+
 // One strided-batched GEMM with its output D apart from the addend C:
 // D = alpha op_a(A) op_b(B) + beta C, the same single rounding of the FP32
 // result as cublasGemmStridedBatchedEx with C == D. Split-K only with FP32
-// partial sums (the math mode polar_express sets for cublasGemmEx).
+// partial sums (the math mode polar_express sets for cublasGemmEx). The
+// algorithm is cublasLt's heuristic answer, asked once per description
+// (LtAlgoCache).
 class OutOfPlaceGemm {
  public:
   struct Operands {
@@ -150,18 +201,28 @@ class OutOfPlaceGemm {
     const uint32_t reduction = CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;  // "none" is always allowed
     set_preference(&preference, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, reduction);
     const int64_t size = data_type == CUDA_R_32F ? 4 : 2;
-    set_preference(&preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
-                   alignment_of(operands.a, g.lda * size, operands.stride_a * size));
-    set_preference(&preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-                   alignment_of(operands.b, g.ldb * size, operands.stride_b * size));
-    set_preference(&preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
-                   alignment_of(operands.c, g.ldc * size, operands.stride_c * size));
-    set_preference(&preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
-                   alignment_of(operands.d, g.ldc * size, operands.stride_c * size));
-    int found = 0;
-    const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(handle, &desc_, &a_, &b_, &c_, &c_, &preference,
-                                                                 1, &heuristic_, &found);
-    found_ = status == CUBLAS_STATUS_SUCCESS && found > 0 && heuristic_.state == CUBLAS_STATUS_SUCCESS;
+    const std::array<uint32_t, 4> alignments = {alignment_of(operands.a, g.lda * size, operands.stride_a * size),
+                                                alignment_of(operands.b, g.ldb * size, operands.stride_b * size),
+                                                alignment_of(operands.c, g.ldc * size, operands.stride_c * size),
+                                                alignment_of(operands.d, g.ldc * size, operands.stride_c * size)};
+    set_preference(&preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, alignments[0]);
+    set_preference(&preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, alignments[1]);
+    set_preference(&preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, alignments[2]);
+    set_preference(&preference, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, alignments[3]);
+    const LtAlgoCache::Key key = {c10::cuda::current_device(), data_type, compute_type, g.trans_a, g.trans_b,
+                                  g.m, g.n, g.k, g.lda, g.ldb, g.ldc, batch, operands.stride_a, operands.stride_b,
+                                  operands.stride_c, alignments[0], alignments[1], alignments[2], alignments[3],
+                                  int64_t(workspace_bytes)};
+    const LtAlgoCache::Answer answer = LtAlgoCache::instance().find_or_ask(key, [&] {
+      cublasLtMatmulHeuristicResult_t heuristic{};
+      int found = 0;
+      const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(handle, &desc_, &a_, &b_, &c_, &c_, &preference,
+                                                                   1, &heuristic, &found);
+      return LtAlgoCache::Answer{status == CUBLAS_STATUS_SUCCESS && found > 0 && heuristic.state == CUBLAS_STATUS_SUCCESS,
+                                 heuristic.algo};
+    });
+    found_ = answer.found;
+    algo_ = answer.algo;
   }
 
   OutOfPlaceGemm(const OutOfPlaceGemm&) = delete;
@@ -173,7 +234,7 @@ class OutOfPlaceGemm {
   void run(cublasLtHandle_t handle, float alpha, float beta, void* workspace, size_t workspace_bytes,
            cudaStream_t stream) {
     TORCH_CUDABLAS_CHECK(cublasLtMatmul(handle, &desc_, &alpha, operands_.a, &a_, operands_.b, &b_, &beta,
-                                        operands_.c, &c_, operands_.d, &c_, &heuristic_.algo, workspace,
+                                        operands_.c, &c_, operands_.d, &c_, &algo_, workspace,
                                         workspace_bytes, stream));
   }
 
@@ -200,7 +261,7 @@ class OutOfPlaceGemm {
   Operands operands_;
   cublasLtMatmulDescOpaque_t desc_;
   cublasLtMatrixLayoutOpaque_t a_, b_, c_;  // D's layout is C's
-  cublasLtMatmulHeuristicResult_t heuristic_{};
+  cublasLtMatmulAlgo_t algo_{};  // LtAlgoCache's answer
   bool found_ = false;
 };
 
@@ -213,22 +274,22 @@ int64_t polar_express_workspace_bytes(int64_t rows, int64_t cols, at::ScalarType
 }
 
 PolarExpressWorkspace make_polar_express_workspace(int64_t capacity, int64_t rows, int64_t cols,
-                                                   const at::TensorOptions& options, PolarMethod method) {
+                                                   const at::TensorOptions& options, PolarMethod method,
+                                                   bool fold_copies) {
   // Checked here, before the caller enqueues anything: every GEMM size, leading
   // dimension and batch count of polar_express then fits cuBLAS's int.
   to_int(std::max(rows, cols), "matrix dimension");
   to_int(capacity, "batch");
   const int64_t s = std::min(rows, cols);
   const int64_t gram_capacity = method == PolarMethod::kGram ? capacity : 0;
-  const bool fold = polar_fold_copies_setting();
   return {at::empty({capacity, rows, cols}, options),
           at::empty({capacity, s, s}, options),
           at::empty({capacity, s, s}, options),
           at::empty({gram_capacity, s, s}, options),
           at::empty({gram_capacity, s, s}, options),
           method,
-          fold,
-          at::empty({fold && capacity > 0 ? kLtWorkspaceBytes : 0}, options.dtype(at::kByte))};
+          fold_copies,
+          at::empty({fold_copies && capacity > 0 ? kLtWorkspaceBytes : 0}, options.dtype(at::kByte))};
 }
 
 void polar_express(const at::Tensor& x, const std::vector<std::array<float, 3>>& coefficients,

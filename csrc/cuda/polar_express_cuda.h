@@ -33,8 +33,10 @@ struct PolarExpressWorkspace {
 // plan `method` (kStandard or kGram).
 int64_t polar_express_workspace_bytes(int64_t rows, int64_t cols, at::ScalarType dtype, PolarMethod method);
 
+// fold_copies: CudaSettings::polar_fold_copies (csrc/cuda/settings.h).
 PolarExpressWorkspace make_polar_express_workspace(int64_t capacity, int64_t rows, int64_t cols,
-                                                   const at::TensorOptions& options, PolarMethod method);
+                                                   const at::TensorOptions& options, PolarMethod method,
+                                                   bool fold_copies);
 
 // Runs one iteration per (a, b, c) of `coefficients` on x ([B, rows, cols]
 // BF16 or FP32, contiguous, B <= capacity; the workspace in x's dtype), in
