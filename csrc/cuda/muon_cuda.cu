@@ -826,7 +826,8 @@ void muon_apply(const MuonApplyArgs& args) {
     constexpr MasterMode M = decltype(master)::value;
     const ApplyFunctor<decltype(param_format), M> functor{lr, found_inf};
     if constexpr (M == MasterMode::kNone) {
-      multi_tensor_apply<2>({&args.params, &args.updates}, nullptr, kElementsPerBlock, settings.blocks_per_launch, functor);
+      multi_tensor_apply<2>({&args.params, &args.updates}, nullptr, kElementsPerBlock, settings.blocks_per_launch,
+                            functor);
     } else {
       multi_tensor_apply<3>({&args.params, &args.masters, &args.updates}, nullptr, kElementsPerBlock,
                             settings.blocks_per_launch, functor);

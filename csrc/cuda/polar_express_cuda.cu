@@ -24,6 +24,7 @@
 #include <deque>
 #include <limits>
 #include <mutex>
+#include <optional>
 #include <unordered_map>
 
 #include "../common/polar_plan.h"
@@ -138,7 +139,9 @@ class LtAlgoCache {
     return cache;
   }
 
-  // The cached answer for key, or ask() once and keep its answer.
+  // The cached answer for key, or ask()'s. ask() returns nullopt where the
+  // query itself failed: that is answered "not found" and not kept, so a
+  // transient failure does not pin the copy path for the rest of the process.
   template <typename Ask>
   Answer find_or_ask(const Key& key, Ask&& ask) {
     {
@@ -146,7 +149,9 @@ class LtAlgoCache {
       const auto found = answers_.find(key);
       if (found != answers_.end()) return found->second;
     }
-    const Answer answer = ask();  // outside the lock: another thread may ask the same, with the same answer
+    const std::optional<Answer> asked = ask();  // outside the lock: another thread may ask the same
+    if (!asked.has_value()) return Answer{false, {}};
+    const Answer answer = *asked;
     const std::lock_guard<std::mutex> lock(mutex_);
     if (answers_.size() >= kMaxEntries) answers_.clear();
     answers_.emplace(key, answer);
@@ -218,8 +223,9 @@ class OutOfPlaceGemm {
       int found = 0;
       const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(handle, &desc_, &a_, &b_, &c_, &c_, &preference,
                                                                    1, &heuristic, &found);
-      return LtAlgoCache::Answer{status == CUBLAS_STATUS_SUCCESS && found > 0 && heuristic.state == CUBLAS_STATUS_SUCCESS,
-                                 heuristic.algo};
+      if (status != CUBLAS_STATUS_SUCCESS) return std::optional<LtAlgoCache::Answer>();
+      return std::optional<LtAlgoCache::Answer>(
+          LtAlgoCache::Answer{found > 0 && heuristic.state == CUBLAS_STATUS_SUCCESS, heuristic.algo});
     });
     found_ = answer.found;
     algo_ = answer.algo;
