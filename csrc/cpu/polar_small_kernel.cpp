@@ -65,6 +65,18 @@ __attribute__((always_inline)) inline Lanes multiply_add(Lanes a, Lanes b, Lanes
 #endif
 }
 
+// a * b + acc per lane with one rounding, for any FP32 a, b (the product need
+// not be exact): the fused epilogues of the 16-bit iterations. The baseline
+// build has no FMA instruction on x86 and calls fmaf, correctly rounded.
+__attribute__((always_inline)) inline Lanes fused_multiply_add(Lanes a, Lanes b, Lanes acc) {
+#if defined(__AVX512F__) || defined(__FMA__)
+  return multiply_add(a, b, acc);
+#else
+  for (int l = 0; l < kLanes; ++l) acc[l] = __builtin_fmaf(a[l], b[l], acc[l]);
+  return acc;
+#endif
+}
+
 // How a group's products are formed and rounded: `fused`, with multiply_add
 // (the 16-bit polar_dtypes, whose operands are 16-bit values); `finite_bf16`,
 // BF16 rounding without the NaN case, for a group whose values are all
@@ -230,8 +242,10 @@ __attribute__((always_inline)) inline void symmetric_product(Lanes* out, const L
       const int64_t width = std::min<int64_t>(kDotWidth, side - j);
       dot_block<kArithmetic.fused>(lhs + i * side, 1, rhs + j, side, 1, side, width, block);
       for (int64_t t = 0; t < width; ++t) {
-        out[i * side + j + t] = out[(j + t) * side + i] =
-            round_output<kArithmetic>(alpha * block[t] + beta * src[i * side + j + t], rounding);
+        // The 16-bit iterations scale the sum with one rounding (alpha * sum + (beta * src)).
+        const Lanes scaled = kArithmetic.fused ? fused_multiply_add(alpha, block[t], beta * src[i * side + j + t])
+                                               : alpha * block[t] + beta * src[i * side + j + t];
+        out[i * side + j + t] = out[(j + t) * side + i] = round_output<kArithmetic>(scaled, rounding);
       }
     }
   }
@@ -271,7 +285,11 @@ __attribute__((always_inline)) inline void multiply_x(Lanes* x, const Lanes* x_o
         dot_block<kArithmetic.fused>(x_operand + i * cols, 1, q + j, side, 1, side, width, block);
       }
       for (int64_t t = 0; t < width; ++t) {
-        x[i * cols + j + t] = round_output<kArithmetic>(add_a ? block[t] + a * x_operand[i * cols + j + t] : block[t], rounding);
+        // The 16-bit iterations add a X with one rounding (a X + sum).
+        const Lanes sum = !add_a ? block[t]
+                          : kArithmetic.fused ? fused_multiply_add(a, x_operand[i * cols + j + t], block[t])
+                                              : block[t] + a * x_operand[i * cols + j + t];
+        x[i * cols + j + t] = round_output<kArithmetic>(sum, rounding);
       }
     }
   }
@@ -470,7 +488,15 @@ __attribute__((always_inline)) inline void lane_normuon(Lanes* x, int64_t rows, 
     }
   }
   const Lanes reduced = splat(float(red));
-  for (int64_t i = 0; i < len; ++i) vm[i] = __builtin_convertvector(sums[i], Lanes) / reduced;  // normuon_mean_square
+  // normuon_mean_square. Dividing by a power of two is multiplying by its
+  // reciprocal, bit for bit (both round the same exact quotient), without
+  // the divider's ten cycles per vector.
+  if (red > 0 && (red & (red - 1)) == 0) {
+    const Lanes reciprocal = splat(1.0f / float(red));
+    for (int64_t i = 0; i < len; ++i) vm[i] = __builtin_convertvector(sums[i], Lanes) * reciprocal;
+  } else {
+    for (int64_t i = 0; i < len; ++i) vm[i] = __builtin_convertvector(sums[i], Lanes) / reduced;
+  }
   // The second moments into lanes (where the spent sums were; zeros in lanes
   // without a matrix, never read back), updated, and back.
   Lanes* smb = reinterpret_cast<Lanes*>(sums);
@@ -552,7 +578,11 @@ __attribute__((always_inline)) inline void transpose_16x16(Lanes* rows) {
 __attribute__((always_inline)) inline bool all_finite(const Lanes* x, int64_t count) {
   Lanes sums[8];
   for (Lanes& s : sums) s = splat(0.0f);
-  for (int64_t e = 0; e < count; ++e) sums[e % 8] = sums[e % 8] + (x[e] - x[e]);
+  int64_t e = 0;
+  for (; e + 8 <= count; e += 8) {  // unrolled, so the sums stay in registers
+    for (int l = 0; l < 8; ++l) sums[l] = sums[l] + (x[e + l] - x[e + l]);
+  }
+  for (; e < count; ++e) sums[e % 8] = sums[e % 8] + (x[e] - x[e]);
   const Lanes sum = ((sums[0] + sums[1]) + (sums[2] + sums[3])) + ((sums[4] + sums[5]) + (sums[6] + sums[7]));
   return !any_lane(~below((LaneMask)(to_bits(sum) & 0x7FFFFFFFu), 0x7F800000));
 }
