@@ -50,9 +50,23 @@ struct MuonMathOps<float> {
 
 // torch.lerp's formula: the small-weight form below 0.5, the other above, so
 // that both ends are reproduced exactly.
+MUON_HD bool lerp_uses_small_form(float weight) { return ::fabsf(weight) < 0.5f; }
+
+// One of lerp_of's forms, for a loop over elements with one weight that
+// picks it once: vectorized, lerp_of computes both forms under masks.
+template <bool kSmallForm, typename T>
+MUON_HD_ALWAYS_INLINE T lerp_in_form(T start, T end, float weight) {
+  if constexpr (kSmallForm) {
+    return start + weight * (end - start);
+  } else {
+    return end - (end - start) * (1.0f - weight);
+  }
+}
+
 template <typename T>
 MUON_HD T lerp_of(T start, T end, float weight) {
-  return ::fabsf(weight) < 0.5f ? start + weight * (end - start) : end - (end - start) * (1.0f - weight);
+  return lerp_uses_small_form(weight) ? lerp_in_form<true>(start, end, weight)
+                                      : lerp_in_form<false>(start, end, weight);
 }
 
 MUON_HD float lerp(float start, float end, float weight) { return lerp_of(start, end, weight); }
@@ -62,6 +76,19 @@ MUON_HD float lerp(float start, float end, float weight) { return lerp_of(start,
 MUON_HD float muon_momentum(float& mom, float grad, float mu, bool nesterov) {
   mom = lerp(mom, grad, 1.0f - mu);
   return nesterov ? lerp(grad, mom, mu) : mom;
+}
+
+// muon_momentum with lerp's forms (kMomentumForm: lerp_uses_small_form(1 - mu),
+// kNesterovForm: lerp_uses_small_form(mu)) and nesterov fixed: the same
+// operations, for loops that decide them once (cpu/muon_cpu.cpp).
+template <bool kMomentumForm, bool kNesterovForm, bool kNesterov>
+MUON_HD_ALWAYS_INLINE float muon_momentum_in_form(float& mom, float grad, float mu) {
+  mom = lerp_in_form<kMomentumForm>(mom, grad, 1.0f - mu);
+  if constexpr (kNesterov) {
+    return lerp_in_form<kNesterovForm>(grad, mom, mu);
+  } else {
+    return mom;
+  }
 }
 
 // X = u / (||u||_F * 1.02 + 1e-6): the factor, from the sum of squares of u.

@@ -126,6 +126,37 @@ void scale_by_input_norm(float* xs, int64_t count, int64_t n, const std::vector<
 // has only at 256 bits, so an "avx512f" clone ran them on half-width vectors.
 #define MUON_EXT_ISA_CLONES __attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
 
+// out[k] = muon_momentum(mom[k], grad[grad_offset + k] * inv_scale, mu,
+// nesterov) for k < count, with lerp's forms and nesterov decided once
+// (muon_momentum_in_form): the same operations, and the vectorized loop no
+// longer computes both forms under masks. Inlined into the callers' ISA clones.
+template <ScalarKind G, bool kMomentumForm, bool kNesterovForm, bool kNesterov>
+__attribute__((always_inline)) inline void momentum_loop(const void* grad, int64_t grad_offset, float* mom, float* out,
+                                                         int64_t count, float inv_scale, float mu) {
+  for (int64_t k = 0; k < count; ++k) {
+    out[k] = muon_ext::muon_momentum_in_form<kMomentumForm, kNesterovForm, kNesterov>(
+        mom[k], load_scalar<G>(grad, grad_offset + k) * inv_scale, mu);
+  }
+}
+
+template <ScalarKind G>
+__attribute__((always_inline)) inline void momentum_elements(const void* grad, int64_t grad_offset, float* mom,
+                                                             float* out, int64_t count, float inv_scale, float mu,
+                                                             bool nesterov) {
+  const bool momentum_small = muon_ext::lerp_uses_small_form(1.0f - mu);
+  const bool nesterov_small = muon_ext::lerp_uses_small_form(mu);
+  if (!nesterov) {
+    return momentum_small ? momentum_loop<G, true, false, false>(grad, grad_offset, mom, out, count, inv_scale, mu)
+                          : momentum_loop<G, false, false, false>(grad, grad_offset, mom, out, count, inv_scale, mu);
+  }
+  if (momentum_small) {
+    return nesterov_small ? momentum_loop<G, true, true, true>(grad, grad_offset, mom, out, count, inv_scale, mu)
+                          : momentum_loop<G, true, false, true>(grad, grad_offset, mom, out, count, inv_scale, mu);
+  }
+  return nesterov_small ? momentum_loop<G, false, true, true>(grad, grad_offset, mom, out, count, inv_scale, mu)
+                        : momentum_loop<G, false, false, true>(grad, grad_offset, mom, out, count, inv_scale, mu);
+}
+
 // Momentum and Nesterov over elements [begin, end) of one matrix (grad and
 // mom at `offset`), into out; returns the sum of squares of what it wrote.
 // Cloned per instruction set, as torch's kernels are: the baseline build
@@ -135,9 +166,7 @@ template <ScalarKind G>
 MUON_EXT_ISA_CLONES double momentum_range(
     const void* grad, float* mom, float* out, int64_t offset, int64_t begin, int64_t end, float inv_scale, float mu,
     bool nesterov) {
-  for (int64_t k = begin; k < end; ++k) {
-    out[k] = muon_ext::muon_momentum(mom[k], load_scalar<G>(grad, offset + k) * inv_scale, mu, nesterov);
-  }
+  momentum_elements<G>(grad, offset + begin, mom + begin, out + begin, end - begin, inv_scale, mu, nesterov);
   return sum_of_squares(out + begin, end - begin);
 }
 
@@ -902,9 +931,7 @@ MUON_EXT_ISA_CLONES void small_step_run(const SmallStep& s, int64_t begin, int64
     const void* grad = s.grads[p];
     float* mom = s.moms[p] + offset;
     float* out = u + (at - begin) * n;
-    for (int64_t k = 0; k < count * n; ++k) {
-      out[k] = muon_ext::muon_momentum(mom[k], load_scalar<G>(grad, offset + k) * s.inv_scale, s.mu, s.nesterov);
-    }
+    momentum_elements<G>(grad, offset, mom, out, count * n, s.inv_scale, s.mu, s.nesterov);
     at += count;
   }
   // NorMuon in the lanes where its statistics fit the scratch, else per matrix below.
@@ -1047,9 +1074,7 @@ void muon_momentum(const MuonMomentumArgs& args, float inv_scale) {
       float* mom = args.momentum_buffers[i].data_ptr<float>();
       float* out = args.updates[i].data_ptr<float>();
       at::parallel_for(0, args.updates[i].numel(), kWorkItem, [&](int64_t begin, int64_t end) {
-        for (int64_t k = begin; k < end; ++k) {
-          out[k] = muon_ext::muon_momentum(mom[k], load_scalar<G>(grad, k) * inv_scale, mu, nesterov);
-        }
+        momentum_elements<G>(grad, begin, mom + begin, out + begin, end - begin, inv_scale, mu, nesterov);
       });
     }
   });

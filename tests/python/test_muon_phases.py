@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from support.helpers import assert_bit_equal, assert_unchanged, snapshot
-from muon_ext import ops
+from muon_ext import ops, reference
 from support.muon_helpers import make_muon_grads, make_muon_set
 from support.helpers import MASTER_MODES
 
@@ -96,6 +96,26 @@ def test_found_inf_leaves_every_phase_a_no_op():
     _phases(s, grads, lr=0.02, found_inf=torch.ones(1))
     ops.muon_orthogonalize(updates, s.second_momentum_buffers, found_inf=torch.ones(1))
     assert_unchanged(watched, before)
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("momentum", [0.0, 0.3, 0.5, 0.8, 0.95])
+def test_momentum_phase_is_the_reference_lerp_bit_for_bit(momentum, nesterov, grad_dtype):
+    """Both of torch.lerp's forms, for the EMA (weight 1 - mu) and the Nesterov
+    blend (weight mu), in every combination mu in [0, 1) allows (0.5: the
+    large-weight form on both sides). The kernel picks each form once per loop
+    (docs/design.md, "Rounding contract": Muon element math), so a swapped
+    form shows here."""
+    gen = torch.Generator().manual_seed(int(momentum * 100) + nesterov)
+    grad = torch.randn(5, 37, generator=gen).to(grad_dtype)
+    mom = torch.randn(5, 37, generator=gen)
+    update = torch.empty(5, 37)
+    expected_mom = reference._lerp(mom, grad.float(), reference._f32(1.0) - reference._f32(momentum))
+    expected_update = reference._lerp(grad.float(), expected_mom, reference._f32(momentum)) if nesterov else expected_mom
+    ops.muon_momentum([grad], [mom], [update], momentum=momentum, nesterov=nesterov)
+    assert torch.equal(mom.view(torch.int32), expected_mom.view(torch.int32)), "momentum buffer"
+    assert torch.equal(update.view(torch.int32), expected_update.view(torch.int32)), "update"
 
 
 def test_elementwise_phases_work_on_shards():

@@ -161,9 +161,9 @@ def _fused_step(bucket, **hyper):
                   lr=0.02, **hyper)
 
 
-def _phased_step(bucket, beta2=0.95, polar_method="standard", polar_dtype="bfloat16", nesterov=True):
+def _phased_step(bucket, beta2=0.95, polar_method="standard", polar_dtype="bfloat16", nesterov=True, momentum=0.95):
     updates = [torch.empty(p.shape) for p in bucket["params"]]
-    ops.muon_momentum(bucket["grads"], bucket["moms"], updates, nesterov=nesterov)
+    ops.muon_momentum(bucket["grads"], bucket["moms"], updates, momentum=momentum, nesterov=nesterov)
     ops.muon_orthogonalize(updates, bucket["smbs"], beta2=beta2, polar_method=polar_method, polar_dtype=polar_dtype)
     ops.muon_apply(bucket["params"], updates, masters=bucket["masters"], lr=0.02)
 
@@ -205,7 +205,8 @@ def test_fused_small_step_equals_the_phases(kind, master_mode):
 
 
 @pytest.mark.parametrize("setting", [dict(beta2=None), dict(polar_method="gram"), dict(polar_dtype="float32"),
-                                     dict(polar_dtype="float16"), dict(nesterov=False)],
+                                     dict(polar_dtype="float16"), dict(nesterov=False),
+                                     dict(momentum=0.5), dict(momentum=0.3, nesterov=False)],
                          ids=lambda d: "-".join(f"{k}={v}" for k, v in d.items()))
 def test_fused_small_step_equals_the_phases_for_every_setting(setting):
     bucket = _bucket([(70, 8, 8), (19, 8, 8)], seed=11, master_mode="remainder",
