@@ -31,6 +31,7 @@
 #include "../common/remainder.h"
 #include "../common/shapes.h"
 #include "adamw_cpu.h"
+#include "balanced_runs.h"
 #include "bf16_tile_gemm.h"
 #include "polar_small.h"
 #include "scratch_pool.h"
@@ -1002,12 +1003,11 @@ void small_step(const MuonBucket& b, const MuonStepOptions& o, float inv_scale, 
     dispatch_param(b.params[0].scalar_type(), b.master_mode, [&](auto param_storage, auto master_mode) {
       constexpr ScalarKind G = decltype(grad_storage)::value, P = decltype(param_storage)::value;
       constexpr MasterMode M = decltype(master_mode)::value;
-      at::parallel_for(0, runs, 1, [&](int64_t first_run, int64_t last_run) {
-        SmallBuffers buffers(run_matrices, s.n, s.len, polar_floats);
-        for (int64_t run = first_run; run < last_run; ++run) {
-          small_step_run<G, P, M>(s, run * run_matrices, std::min(total, (run + 1) * run_matrices), buffers);
-        }
-      });
+      for_each_run_balanced(
+          runs, [&] { return SmallBuffers(run_matrices, s.n, s.len, polar_floats); },
+          [&](int64_t run, SmallBuffers& buffers) {
+            small_step_run<G, P, M>(s, run * run_matrices, std::min(total, (run + 1) * run_matrices), buffers);
+          });
     });
   });
 }
