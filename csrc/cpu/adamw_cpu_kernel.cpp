@@ -11,6 +11,7 @@
 #include "../common/bits.h"
 #include "../common/remainder.h"
 #include "adamw_cpu.h"
+#include "balanced_runs.h"
 #include "remainder_simd.h"
 #include "scalar_io.h"
 
@@ -272,19 +273,21 @@ void adamw_apply(const AdamWBatch& batch, const std::vector<AdamWCoeffs<float>>&
   TORCH_CHECK(coeffs.size() == batch.tensors.size(), "adamw_apply: one coefficient set per tensor expected");
 
   // One parallel region over the concatenated tensors, cut into units of
-  // kUnit elements: each thread owns one contiguous run of units (ATen gives
-  // thread k the k-th equal share), so threads get equal element counts
-  // however the sizes are mixed, and each walks its tensors in order, calling
-  // the kernel once per tensor piece.  A unit holds whole cache lines of every
-  // stream, so threads share no line inside a tensor.  The update is
-  // elementwise: the bits do not depend on where the runs are cut.
+  // kUnit elements and runs of kMinUnitsPerThread units, spread by
+  // for_each_run_balanced (balanced_runs.h: each thread walks its own
+  // contiguous share of runs in order, and an idle thread takes runs from the
+  // back of a slower one's), so threads get equal element counts however the
+  // sizes are mixed, and each walks its tensors in order, calling the kernel
+  // once per tensor piece.  A unit holds whole cache lines of every stream, so
+  // threads share no line inside a tensor.  The update is elementwise: the
+  // bits do not depend on where the runs are cut.
   std::vector<int64_t> first_unit(batch.tensors.size() + 1, 0);
   for (size_t i = 0; i < batch.tensors.size(); ++i) {
     first_unit[i + 1] = first_unit[i] + (batch.tensors[i].numel + kUnit - 1) / kUnit;
   }
   const int64_t units = first_unit.back();
   if (units == 0) return;
-  at::parallel_for(0, units, kMinUnitsPerThread, [&](int64_t unit_begin, int64_t unit_end) {
+  auto run_units = [&](int64_t unit_begin, int64_t unit_end) {
     // The last tensor starting at or before unit_begin (empty tensors own no unit).
     size_t tensor = std::upper_bound(first_unit.begin(), first_unit.end(), unit_begin) - first_unit.begin() - 1;
     for (; tensor < batch.tensors.size() && first_unit[tensor] < unit_end; ++tensor) {
@@ -293,7 +296,10 @@ void adamw_apply(const AdamWBatch& batch, const std::vector<AdamWCoeffs<float>>&
       const int64_t end = std::min((unit_end - first_unit[tensor]) * kUnit, t.numel);
       if (begin < end) range_fn(t, begin, end, coeffs[tensor]);
     }
-  });
+  };
+  for_each_run_balanced(
+      (units + kMinUnitsPerThread - 1) / kMinUnitsPerThread, [] { return 0; },
+      [&](int64_t run, int) { run_units(run * kMinUnitsPerThread, std::min(units, (run + 1) * kMinUnitsPerThread)); });
 }
 
 }  // namespace CPU_CAPABILITY

@@ -19,6 +19,12 @@
 
 namespace muon_ext {
 namespace cpu {
+// In a file compiled once per instruction set (csrc/build_flags.json), each
+// build gets its own copy: the linker must not hand one build's inline
+// functions, compiled for AVX-512, to another.
+#ifdef CPU_CAPABILITY
+namespace CPU_CAPABILITY {
+#endif
 
 // The runs [0, runs) split into `queues` contiguous queues of near-equal length.
 class RunQueues {
@@ -79,7 +85,13 @@ class RunQueues {
 template <typename MakeState, typename Fn>
 void for_each_run_balanced(int64_t runs, const MakeState& make_state, const Fn& fn) {
   if (runs <= 0) return;
-  RunQueues queues(runs, std::min<int64_t>(runs, at::get_num_threads()));
+  const int64_t workers = std::min<int64_t>(runs, at::get_num_threads());
+  if (workers <= 1 || at::in_parallel_region()) {  // one thread: in order, no queues
+    auto state = make_state();
+    for (int64_t run = 0; run < runs; ++run) fn(run, state);
+    return;
+  }
+  RunQueues queues(runs, workers);
   at::parallel_for(0, queues.queue_count(), 1, [&](int64_t first, int64_t last) {
     auto state = make_state();
     for (int64_t q = first; q < last; ++q) {
@@ -89,5 +101,8 @@ void for_each_run_balanced(int64_t runs, const MakeState& make_state, const Fn& 
   });
 }
 
+#ifdef CPU_CAPABILITY
+}  // namespace CPU_CAPABILITY
+#endif
 }  // namespace cpu
 }  // namespace muon_ext

@@ -12,6 +12,7 @@
 
 #include "../checks.h"
 #include "../common/bits.h"
+#include "balanced_runs.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -30,6 +31,11 @@ bool bf16_tile_gemm_enabled() {
 
 #if defined(__x86_64__)
 namespace {
+
+// Hands the thread's AMX tile state back when a parallel share of tiles ends.
+struct TileRelease {
+  ~TileRelease() { bf16_tile_gemm_release(); }
+};
 
 // Columns per accumulator tile (the kernel's packed-operand block).
 constexpr int64_t kTileCols = 64;
@@ -287,10 +293,8 @@ void bf16_tile_gemm(int64_t m, int64_t n, int64_t k, float alpha, const uint16_t
           pack_chunk(rhs, k, n0 + c, std::min(kTileCols, chunk - c), packed + c * k);
         }
       });
-      at::parallel_for(0, listed, 1, [&](int64_t first, int64_t last) {
-        run_tiles(first, last);
-        bf16_tile_gemm_release();
-      });
+      for_each_run_balanced(
+          listed, [] { return TileRelease{}; }, [&](int64_t tile, TileRelease&) { run_tiles(tile, tile + 1); });
     } else {
       pack_chunk(rhs, k, n0, chunk, packed);
       run_tiles(0, listed);

@@ -12,6 +12,7 @@
 
 #include "../common/shapes.h"
 #include "adamw_cpu.h"
+#include "balanced_runs.h"
 
 namespace muon_ext {
 namespace cpu {
@@ -66,13 +67,16 @@ void polar_express_small(float* xs, int64_t count, int64_t rows, int64_t cols,
   const int64_t groups = (count + kPolarSmallLanes - 1) / kPolarSmallLanes;
   // Tasks of about 32k lane-elements, at least one group each.
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(n * kPolarSmallLanes, 1));
-  at::parallel_for(0, groups, grain, [&](int64_t first, int64_t last) {
-    PolarSmallScratch scratch(polar_small_scratch_floats(rows, cols, gram, false));
+  auto run_groups = [&](int64_t first, int64_t last, PolarSmallScratch& scratch) {
     const int64_t begin = first * kPolarSmallLanes, end = std::min(count, last * kPolarSmallLanes);
     polar_express_small_matrices(xs + begin * n, false, end - begin, rows, cols, abc.data(),
                                  static_cast<int64_t>(coefficients.size()), rounding, gram, nullptr, nullptr,
                                  scratch.data());
-  });
+  };
+  const int64_t scratch_floats = polar_small_scratch_floats(rows, cols, gram, false);
+  for_each_run_balanced(
+      (groups + grain - 1) / grain, [&] { return PolarSmallScratch(scratch_floats); },
+      [&](int64_t run, PolarSmallScratch& scratch) { run_groups(run * grain, std::min(groups, (run + 1) * grain), scratch); });
 }
 
 }  // namespace cpu
