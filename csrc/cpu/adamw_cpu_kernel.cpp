@@ -297,9 +297,7 @@ void adamw_apply(const AdamWBatch& batch, const std::vector<AdamWCoeffs<float>>&
       if (begin < end) range_fn(t, begin, end, coeffs[tensor]);
     }
   };
-  for_each_run_balanced(
-      (units + kMinUnitsPerThread - 1) / kMinUnitsPerThread, [] { return 0; },
-      [&](int64_t run, int) { run_units(run * kMinUnitsPerThread, std::min(units, (run + 1) * kMinUnitsPerThread)); });
+  for_each_range_balanced(units, kMinUnitsPerThread, run_units);
 }
 
 }  // namespace CPU_CAPABILITY

@@ -101,6 +101,15 @@ void for_each_run_balanced(int64_t runs, const MakeState& make_state, const Fn& 
   });
 }
 
+// fn(begin, end) over [0, n) in ranges of `grain` items (the last shorter),
+// spread as for_each_run_balanced's runs.
+template <typename Fn>
+void for_each_range_balanced(int64_t n, int64_t grain, const Fn& fn) {
+  for_each_run_balanced(
+      (n + grain - 1) / grain, [] { return 0; },
+      [&](int64_t run, int) { fn(run * grain, std::min(n, (run + 1) * grain)); });
+}
+
 #ifdef CPU_CAPABILITY
 }  // namespace CPU_CAPABILITY
 #endif

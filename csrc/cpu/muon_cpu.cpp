@@ -73,17 +73,19 @@ __attribute__((always_inline)) inline double sum_of_squares(const float* x, int6
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }
 
-// Runs fn(matrix, begin, end) over element ranges of every matrix of a chunk, in parallel.
+// Runs fn(matrix, begin, end) over element ranges of every matrix of a chunk,
+// in parallel (balanced_runs.h).
 template <typename Fn>
 void for_each_matrix_range(int64_t matrices, int64_t matrix_numel, const Fn& fn) {
   const int64_t items_per_matrix = (matrix_numel + kWorkItem - 1) / kWorkItem;
-  at::parallel_for(0, matrices * items_per_matrix, 1, [&](int64_t first, int64_t last) {
+  auto run_items = [&](int64_t first, int64_t last) {
     for (int64_t item = first; item < last; ++item) {
       const int64_t j = item / items_per_matrix;
       const int64_t begin = (item % items_per_matrix) * kWorkItem;
       fn(j, begin, std::min(begin + kWorkItem, matrix_numel));
     }
-  });
+  };
+  for_each_range_balanced(matrices * items_per_matrix, 1, run_items);
 }
 
 int64_t items_per_matrix(int64_t matrix_numel) { return (matrix_numel + kWorkItem - 1) / kWorkItem; }
@@ -705,13 +707,11 @@ void normuon_multipliers(int64_t rows, int64_t cols, float beta2, int64_t count,
                          const SecondMoment& second_moment, std::vector<float>& mult) {
   const int64_t len = shapes::stat_length(rows, cols);
   mult.assign(count * len, 0.0f);
-  at::parallel_for(0, count, 1, [&](int64_t first, int64_t last) {
-    std::vector<double> sums(len);
-    for (int64_t j = first; j < last; ++j) {
-      normuon_matrix_multipliers_simd(rows, cols, beta2, xs + j * rows * cols, second_moment(j),
-                                      mult.data() + j * len, sums.data());
-    }
-  });
+  auto run_matrix = [&](int64_t j, std::vector<double>& sums) {
+    normuon_matrix_multipliers_simd(rows, cols, beta2, xs + j * rows * cols, second_moment(j), mult.data() + j * len,
+                                    sums.data());
+  };
+  for_each_run_balanced(count, [&] { return std::vector<double>(len); }, run_matrix);
 }
 
 // Apply: x (times its NorMuon multiplier) into the FP32 master, cautious
@@ -1073,7 +1073,7 @@ void muon_momentum(const MuonMomentumArgs& args, float inv_scale) {
       const void* grad = args.grads[i].const_data_ptr();
       float* mom = args.momentum_buffers[i].data_ptr<float>();
       float* out = args.updates[i].data_ptr<float>();
-      at::parallel_for(0, args.updates[i].numel(), kWorkItem, [&](int64_t begin, int64_t end) {
+      for_each_range_balanced(args.updates[i].numel(), kWorkItem, [&](int64_t begin, int64_t end) {
         momentum_elements<G>(grad, begin, mom + begin, out + begin, end - begin, inv_scale, mu, nesterov);
       });
     }
@@ -1116,7 +1116,7 @@ void muon_apply(const MuonApplyArgs& args, float lr) {
       void* param = args.params[i].data_ptr();
       void* master = args.masters.empty() ? nullptr : args.masters[i].data_ptr();
       const float* update = args.updates[i].const_data_ptr<float>();
-      at::parallel_for(0, numel, kWorkItem, [&](int64_t begin, int64_t end) {
+      for_each_range_balanced(numel, kWorkItem, [&](int64_t begin, int64_t end) {
         // One "row" spanning the tensor: without multipliers rows play no part.
         apply_range<P, M>(param, master, update, nullptr, true, numel, 0, begin, end, lr, lr_wd);
       });
