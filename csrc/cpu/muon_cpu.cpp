@@ -849,10 +849,10 @@ constexpr int64_t kCacheLine = 64;
 
 // The lines of [p, p + bytes) appended to a SmallPrefetch's ranges.
 __attribute__((always_inline)) inline void add_prefetch_range(std::vector<PrefetchRange>& ranges, const void* p,
-                                                              int64_t bytes, bool for_write) {
+                                                              int64_t bytes) {
   const uintptr_t first = reinterpret_cast<uintptr_t>(p) & ~uintptr_t(kCacheLine - 1);
   const uintptr_t end = reinterpret_cast<uintptr_t>(p) + uintptr_t(bytes);
-  if (end > first) ranges.push_back({first, int64_t((end - first + kCacheLine - 1) / kCacheLine), for_write});
+  if (end > first) ranges.push_back({first, int64_t((end - first + kCacheLine - 1) / kCacheLine)});
 }
 
 // apply_range for BF16 params with remainders and no multiplier, in two
@@ -910,19 +910,19 @@ MUON_EXT_ISA_CLONES void small_step_run(const SmallStep& s, int64_t begin, int64
     if (at < own_end) {
       const int64_t offset = (at - s.starts[p]) * n, numel = (own_end - at) * n;
       add_prefetch_range(buf.prefetch_ranges, static_cast<char*>(s.params[p]) + offset * int64_t(sizeof(ParamStorage<P>)),
-                         numel * int64_t(sizeof(ParamStorage<P>)), true);
+                         numel * int64_t(sizeof(ParamStorage<P>)));
       if constexpr (M != MasterMode::kNone) {
         add_prefetch_range(buf.prefetch_ranges,
                            static_cast<char*>(s.masters[p]) + offset * int64_t(sizeof(MasterStorage<M>)),
-                           numel * int64_t(sizeof(MasterStorage<M>)), true);
+                           numel * int64_t(sizeof(MasterStorage<M>)));
       }
     }
     if (next < stop) {
       const int64_t offset = (next - s.starts[p]) * n, numel = (stop - next) * n;
-      add_prefetch_range(buf.prefetch_ranges, s.moms[p] + offset, numel * int64_t(sizeof(float)), true);
+      add_prefetch_range(buf.prefetch_ranges, s.moms[p] + offset, numel * int64_t(sizeof(float)));
       add_prefetch_range(buf.prefetch_ranges,
                          static_cast<const char*>(s.grads[p]) + offset * int64_t(sizeof(ParamStorage<G>)),
-                         numel * int64_t(sizeof(ParamStorage<G>)), false);
+                         numel * int64_t(sizeof(ParamStorage<G>)));
     }
     at = stop;
   }

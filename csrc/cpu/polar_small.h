@@ -51,14 +51,13 @@ struct SmallNorMuon {
 // NorMuon in the lanes up to this many statistics per matrix (its scratch grows with them).
 constexpr int64_t kSmallNorMuonMaxStats = 128;
 
-// Memory to prefetch while the groups iterate (the fused step's next loads),
-// issued a share after each iteration step so that the loads overlap the
-// arithmetic instead of queueing at once: `lines` cache lines from
-// `first_line` (64-byte aligned), to be written or only read.
+// Memory to prefetch into L2 while the groups iterate (the fused step's next
+// loads), issued a share after each product of an iteration step so that the
+// loads overlap the arithmetic instead of queueing at once: `lines` cache
+// lines from `first_line` (64-byte aligned).
 struct PrefetchRange {
   uintptr_t first_line;
   int64_t lines;
-  bool for_write;
 };
 struct SmallPrefetch {
   const PrefetchRange* ranges;

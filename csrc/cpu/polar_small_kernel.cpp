@@ -296,8 +296,15 @@ __attribute__((always_inline)) inline void multiply_x(Lanes* x, const Lanes* x_o
 }
 
 // The lines of a SmallPrefetch issued in step with the iterations: after
-// each of `total` iteration steps, up to its share of them, so the loads
-// overlap the arithmetic instead of queueing at once.
+// each of `total` paces (kPacesPerStandardStep per standard iteration step,
+// one per Gram iteration step), up to its share of them, so the loads overlap
+// the arithmetic instead of queueing at once. Into L2 (prefetcht1): into L1,
+// a run's next lines (about 40 KB for 8x8) evicted the iterations' own
+// buffers; L2 and three paces per step together took the 70,000 8x8 step
+// from 1 to 0.91-0.94 (1 thread) and 0.96-0.97 (2 threads), where L2 alone
+// or the paces alone gave 0.96-0.99 (docs/design.md "CPU kernels").
+constexpr int64_t kPacesPerStandardStep = 3;
+
 class PrefetchPacer {
  public:
   PrefetchPacer(const SmallPrefetch* prefetch, int64_t total)
@@ -312,11 +319,7 @@ class PrefetchPacer {
     for (; issued_ < end; ++issued_) {
       const PrefetchRange& range = ranges_[range_];
       const char* line = reinterpret_cast<const char*>(range.first_line + uintptr_t(64 * line_));
-      if (range.for_write) {
-        __builtin_prefetch(line, 1, 3);
-      } else {
-        __builtin_prefetch(line, 0, 3);
-      }
+      __builtin_prefetch(line, 0, 2);
       if (++line_ == range.lines) ++range_, line_ = 0;
     }
   }
@@ -345,7 +348,9 @@ __attribute__((always_inline)) inline void standard_iterations(Lanes* x, Lanes* 
   for (int64_t step = 0; step < steps; ++step) {
     const float a = abc_list[3 * step], b = abc_list[3 * step + 1], c = abc_list[3 * step + 2];
     gram_of<kArithmetic>(current, gram, side, length, v_row, v_col, rounding);       // gram = V V^T
+    pacer.step();
     symmetric_product<kArithmetic>(poly, gram, gram, gram, side, c, b, rounding);    // poly = c (gram gram) + b gram
+    pacer.step();
     multiply_x<kArithmetic>(next, current, poly, rows, cols, true, a, rounding);     // X = poly X + a X (or X poly + a X)
     std::swap(current, next);
     pacer.step();
@@ -624,7 +629,7 @@ void iterate_groups(
   // NorMuon scratch after the iteration buffers: sums (2 Lanes each), vm, mult.
   Lanes* stats = squares + (gram ? 4 : 2) * side * side;
   float* lanes = reinterpret_cast<float*>(x);  // lane m of vector e at lanes[e * kLanes + m]
-  PrefetchPacer pacer(prefetch, (count + kLanes - 1) / kLanes * steps);
+  PrefetchPacer pacer(prefetch, (count + kLanes - 1) / kLanes * steps * (gram ? 1 : kPacesPerStandardStep));
   for (int64_t first = 0; first < count; first += kLanes) {
     const int64_t members = std::min<int64_t>(kLanes, count - first);
     float* base = xs + first * n;
