@@ -22,8 +22,8 @@ without a BF16 / FP16 GEMM):
 median and min..max seconds of each, and `gram_speedup` = standard / gram
 median (>1: Gram is faster); the figures behind polar_method="auto"'s rule.
 
-Where ops.cpu_bf16_tile_gemm() (AMX: the native path on oneDNN's micro-kernel)
-and both sides are multiples of 16, `ours_bfloat16_addmm` is the same path
+Where ops.cpu_bf16_tile_gemm() (AMX or AVX-512 BF16: the native path on
+oneDNN's micro-kernel) and both sides are multiples of 16, `ours_bfloat16_addmm` is the same path
 with the tiles off (MUON_EXT_CPU_TILE_GEMM=0: at::addmm_out), interleaved
 with the rest, against the same BF16 probe.
 
@@ -104,7 +104,7 @@ def polar_case(shapes: List[tuple], rounds: int, iters: int) -> dict:
         def run():
             work.copy_(updates)
             setting = os.environ.get("MUON_EXT_CPU_TILE_GEMM")
-            if not tiles:  # the at::addmm_out path the AMX tiles replace (read at every call)
+            if not tiles:  # the at::addmm_out path the micro-kernel replaces (read at every call)
                 os.environ["MUON_EXT_CPU_TILE_GEMM"] = "0"
             try:
                 ops.muon_orthogonalize([work], beta2=None, polar_dtype=polar_dtype)

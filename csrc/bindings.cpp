@@ -247,8 +247,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       "cpu_bf16_gemm",
       [] { return muon_ext::cpu::polar_bf16_gemm() == muon_ext::cpu::PolarGemm::kNativeBf16 ? "native" : "rounded"; },
       "How BF16 Polar-Express GEMMs run on this CPU (see muon_ext.ops.cpu_bf16_gemm).");
-  m.def("cpu_bf16_tile_gemm", &muon_ext::cpu::bf16_tile_gemm_available,
-        "Whether native BF16 Polar-Express runs on oneDNN's AMX micro-kernel (see muon_ext.ops.cpu_bf16_tile_gemm).");
+  m.def(
+      "cpu_bf16_tile_gemm", [] { return std::string(muon_ext::cpu::bf16_tile_gemm_isa()); },
+      "The instruction set of oneDNN's micro-kernel under native BF16 Polar-Express, or '' (see "
+      "muon_ext.ops.cpu_bf16_tile_gemm).");
   m.def("cpu_scratch_pool_bytes", &muon_ext::cpu::scratch_pool_bytes,
         "Test hook: bytes of CPU scratch kept between calls (csrc/cpu/scratch_pool.h).");
   m.def("threads_used_by_parallel_for", &muon_ext::cpu::threads_used_by_parallel_for, py::arg("items"),

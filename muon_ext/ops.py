@@ -345,13 +345,16 @@ def cpu_bf16_gemm() -> str:
     return _C.cpu_bf16_gemm()
 
 
-def cpu_bf16_tile_gemm() -> bool:
-    """Whether the "native" path runs its GEMMs on oneDNN's batch-reduce
-    micro-kernel (CPUs with AMX-BF16): tiles of 64 columns into an FP32
-    accumulator, each output rounded to BF16 once, for matrices whose sides
-    are multiples of 16 (others take at::addmm). MUON_EXT_CPU_TILE_GEMM=0
+def cpu_bf16_tile_gemm() -> str:
+    """The instruction set on which the "native" path runs its GEMMs through
+    oneDNN's batch-reduce micro-kernel, or "" where it does not: "amx"
+    (AMX-BF16) or "avx512_bf16" (AVX-512 BF16 without AMX, e.g. Zen 4); tiles
+    of 64 columns into an FP32 accumulator, each output rounded to BF16 once,
+    for matrices whose sides are multiples of 16 (others take at::addmm). The
+    two sum in different orders, so their bits differ. MUON_EXT_CPU_TILE_GEMM=0
     turns it off, unset or "1" leaves it on, anything else raises (read at
-    every call, checked before a step writes anything)."""
+    every call, checked before a step writes anything); so does
+    torch.backends.mkldnn.enabled = False."""
     return _C.cpu_bf16_tile_gemm()
 
 

@@ -1,6 +1,7 @@
 // BF16 GEMMs on oneDNN's batch-reduce micro-kernel; see bf16_tile_gemm.h.
 #include "bf16_tile_gemm.h"
 
+#include <ATen/Context.h>
 #include <ATen/Parallel.h>
 #include <ATen/cpu/Utils.h>
 #include <ATen/native/CPUBlas.h>
@@ -8,6 +9,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <exception>
 #include <vector>
 
 #include "../checks.h"
@@ -32,7 +34,8 @@ bool bf16_tile_gemm_enabled() {
 #if defined(__x86_64__)
 namespace {
 
-// Hands the thread's AMX tile state back when a parallel share of tiles ends.
+// Hands the thread's AMX tile state back when a parallel share of tiles ends
+// (nothing to hand back on AVX-512 BF16).
 struct TileRelease {
   ~TileRelease() { bf16_tile_gemm_release(); }
 };
@@ -45,8 +48,13 @@ constexpr int64_t kTileRows = 128;
 constexpr int64_t kSymmetricTileRows = 64;
 // Below this side the mirror costs more than the skipped tiles save: every
 // tile is computed (the kernel's products and sums are symmetric in the two
-// operands, so the lower triangle comes out equal to the upper anyway).
-constexpr int64_t kMinSkippedSide = 512;
+// operands, so the lower triangle comes out equal to the upper anyway). Per
+// instruction set, measured (docs/design.md, "CPU kernels"): AMX multiplies
+// about three times faster than AVX-512 BF16, so there the mirror pays back
+// later (from 512 rows on Sapphire Rapids); on AVX-512 BF16 (Zen 4) skipping
+// paid from 128 rows: 1.13-1.25x faster on 4 x 256x256, same bits.
+constexpr int64_t kMinSkippedSideAmx = 512;
+constexpr int64_t kMinSkippedSideAvx512Bf16 = 128;
 // Columns of the packed right operand multiplied against every row tile in
 // turn: at most this many elements, so the block stays in the core's L2.
 constexpr int64_t kPackedChunkElements = int64_t(512) * 1024;
@@ -116,7 +124,7 @@ __attribute__((target("avx512f,avx512bw"))) void pack_transposed_block(const Bf1
 // pairs side by side, [k / 2][w][2] (at::native::cpublas::pack's layout;
 // tests/python/test_polar_tiles.py checks the products). A chunk of columns
 // is blocks of kTileCols (the last narrower) back to back, block c (its first
-// column) at dst + c * k. Only AMX CPUs run this, and they all have AVX-512 BW.
+// column) at dst + c * k. Only CPUs with AVX-512 BF16 run this, and they all have AVX-512 BW.
 __attribute__((target("avx512f,avx512bw"))) void pack_chunk(const Bf16Matrix& rhs, int64_t k, int64_t col,
                                                            int64_t chunk, uint16_t* dst) {
   if (!rhs.transposed) {
@@ -155,7 +163,7 @@ __attribute__((target("avx512f,avx512bw"))) void pack_chunk(const Bf16Matrix& rh
 // out rows of one tile: bf16(alpha * acc + beta * addend), FP32 multiplies
 // and add (no fused multiply-add), one rounding per output by the CPU's own
 // conversion (VCVTNE2PS2BF16, as oneDNN's epilogues: nearest even, denormals
-// to zero like the AMX sums themselves, NaN kept a NaN), 32 at a time.
+// to zero like the kernel's sums themselves, NaN kept a NaN), 32 at a time.
 template <bool kAddend>
 __attribute__((target("avx512f,avx512bw,avx512bf16"))) inline __m512 tile_values(const float* acc,
                                                                                 const uint16_t* addend,
@@ -230,19 +238,74 @@ __attribute__((target("avx512f,avx512bw"))) void mirror_lower_rows(uint16_t* out
   }
 }
 
-}  // namespace
+// The micro-kernel's instruction set on this CPU, found once per process.
+enum class TileIsa { kNone, kAmx, kAvx512Bf16 };
 
-bool bf16_tile_gemm_available() {
-  if (!bf16_tile_gemm_enabled()) return false;
-  // AMX-BF16 (the micro-kernel packs for it) and AVX-512 BF16 (the epilogue's conversion).
-  static const bool available = [] {
+// Whether cpublas::brgemm multiplies BF16 pairs here: a torch without oneDNN's
+// ukernel raises on the pair layout, so one small product is checked before
+// any step relies on it. Its entries are small integers, exact in FP32 in any
+// summation order, so the result must equal the double sum exactly.
+bool micro_kernel_multiplies_correctly() {
+  constexpr int64_t m = 16, n = 16, k = 32;
+  std::vector<c10::BFloat16> lhs(m * k), packed(k * n);
+  std::vector<float> acc(m * n);
+  auto a = [](int64_t i, int64_t p) { return float((i + 2 * p) % 5 - 2); };
+  auto b = [](int64_t p, int64_t j) { return float((3 * p + j) % 7 - 3); };
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t p = 0; p < k; ++p) lhs[i * k + p] = c10::BFloat16(a(i, p));
+  }
+  for (int64_t p = 0; p < k; ++p) {  // [k / 2][n][2], pack_chunk's layout
+    for (int64_t j = 0; j < n; ++j) packed[(p / 2) * n * 2 + j * 2 + p % 2] = c10::BFloat16(b(p, j));
+  }
+  try {
+    at::native::cpublas::brgemm(m, n, k, k, n, n, /*add_C=*/false, lhs.data(), packed.data(), acc.data(),
+                                /*is_vnni=*/true);
+    at::native::cpublas::brgemm_release(/*is_vnni=*/true);
+  } catch (const std::exception&) {
+    return false;
+  }
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t j = 0; j < n; ++j) {
+      double sum = 0;
+      for (int64_t p = 0; p < k; ++p) sum += double(a(i, p)) * b(p, j);
+      if (double(acc[i * n + j]) != sum) return false;
+    }
+  }
+  return true;
+}
+
+TileIsa tile_isa() {
+  // AVX-512 BF16 for the epilogue's conversion and the kernel's pairs; AMX-BF16
+  // where cpublas packs for it (then the kernel multiplies on tiles).
+  static const TileIsa isa = [] {
     const auto caps = at::cpu::get_cpu_capabilities();
     const auto it = caps.find("avx512_bf16");
     const bool avx512_bf16 = it != caps.end() && it->second.isBool() && it->second.toBool();
-    return avx512_bf16 && at::native::cpublas::could_pack(at::kBFloat16);
+    if (!avx512_bf16 || !micro_kernel_multiplies_correctly()) return TileIsa::kNone;
+    return at::native::cpublas::could_pack(at::kBFloat16) ? TileIsa::kAmx : TileIsa::kAvx512Bf16;
   }();
-  return available;
+  return isa;
 }
+
+}  // namespace
+
+const char* bf16_tile_gemm_isa() {
+  if (!bf16_tile_gemm_enabled()) return "";
+  // cpublas::brgemm takes its fallback (which refuses the pair layout) while
+  // oneDNN is switched off (torch.backends.mkldnn.enabled = False).
+  if (!at::globalContext().userEnabledMkldnn()) return "";
+  switch (tile_isa()) {
+    case TileIsa::kAmx:
+      return "amx";
+    case TileIsa::kAvx512Bf16:
+      return "avx512_bf16";
+    case TileIsa::kNone:
+      break;
+  }
+  return "";
+}
+
+bool bf16_tile_gemm_available() { return bf16_tile_gemm_isa()[0] != '\0'; }
 
 void bf16_tile_gemm(int64_t m, int64_t n, int64_t k, float alpha, const uint16_t* lhs, int64_t ld_lhs,
                     Bf16Matrix rhs, float beta, const uint16_t* addend, int64_t ld_addend, uint16_t* out,
@@ -253,7 +316,8 @@ void bf16_tile_gemm(int64_t m, int64_t n, int64_t k, float alpha, const uint16_t
   // 6.6 or 9.4 ms by the process's heap addresses).
   thread_local std::vector<uint16_t> packed_storage;
   thread_local std::vector<float> accumulator_storage;
-  symmetric = symmetric && m >= kMinSkippedSide;
+  const int64_t min_skipped_side = tile_isa() == TileIsa::kAmx ? kMinSkippedSideAmx : kMinSkippedSideAvx512Bf16;
+  symmetric = symmetric && m >= min_skipped_side;
   const int64_t tile_rows = symmetric ? kSymmetricTileRows : kTileRows;
   const int64_t chunk_cols =
       std::max<int64_t>(kTileCols, std::min(n, kPackedChunkElements / k) / kTileCols * kTileCols);
@@ -346,18 +410,19 @@ __attribute__((target("avx512f,avx512bw"))) void transpose_from_bf16(const uint1
 void bf16_tile_gemm_release() { at::native::cpublas::brgemm_release(/*is_vnni=*/true); }
 
 
-#else  // AMX is x86 only: elsewhere the native path keeps at::addmm_out.
+#else  // the micro-kernel is x86 only: elsewhere the native path keeps at::addmm_out.
 
-bool bf16_tile_gemm_available() {
+const char* bf16_tile_gemm_isa() {
   bf16_tile_gemm_enabled();  // the setting is checked on every host
-  return false;
+  return "";
 }
+bool bf16_tile_gemm_available() { return false; }
 void bf16_tile_gemm(int64_t, int64_t, int64_t, float, const uint16_t*, int64_t, Bf16Matrix, float, const uint16_t*,
                     int64_t, uint16_t*, int64_t, bool, bool) {
-  TORCH_CHECK(false, "bf16_tile_gemm: no AMX on this architecture");
+  TORCH_CHECK(false, "bf16_tile_gemm: x86 only");
 }
-void transpose_to_bf16(const float*, int64_t, int64_t, uint16_t*) { TORCH_CHECK(false, "no AMX here"); }
-void transpose_from_bf16(const uint16_t*, int64_t, int64_t, float*) { TORCH_CHECK(false, "no AMX here"); }
+void transpose_to_bf16(const float*, int64_t, int64_t, uint16_t*) { TORCH_CHECK(false, "x86 only"); }
+void transpose_from_bf16(const uint16_t*, int64_t, int64_t, float*) { TORCH_CHECK(false, "x86 only"); }
 void bf16_tile_gemm_release() {}
 
 #endif

@@ -1,4 +1,4 @@
-// BF16 GEMMs on oneDNN's batch-reduce micro-kernel (AMX tiles), for the CPU
+// BF16 GEMMs on oneDNN's batch-reduce micro-kernel (AMX tiles or AVX-512 BF16), for the CPU
 // Polar-Express (docs/design.md, "CPU kernels", native BF16 GEMM).
 //
 // at::addmm_out on BF16 pays a fixed cost per call and a separate pass for its
@@ -19,9 +19,14 @@ namespace cpu {
 // anything else raises. Callers check it before they write anything.
 bool bf16_tile_gemm_enabled();
 
-// Whether this CPU runs the micro-kernel (AMX-BF16) and the setting allows it,
-// so bf16_tile_gemm may be used (for sides that are multiples of 16: the
-// kernel's columns, and k even).
+// The micro-kernel's instruction set where this CPU runs it and the setting
+// and torch's oneDNN switch allow it: "amx" (AMX-BF16) or "avx512_bf16"
+// (AVX-512 BF16 without AMX: Zen 4, Cooper Lake); else "". The two sum in
+// different orders, so they give different bits (as at::addmm does).
+const char* bf16_tile_gemm_isa();
+
+// bf16_tile_gemm_isa() is not "": bf16_tile_gemm may be used (for sides that
+// are multiples of 16, the kernel's columns, and k even).
 bool bf16_tile_gemm_available();
 
 // BF16 values as bit patterns (uint16_t), row-major with leading dimensions.
@@ -49,7 +54,8 @@ void bf16_tile_gemm(int64_t m, int64_t n, int64_t k, float alpha, const uint16_t
 void transpose_to_bf16(const float* in, int64_t rows, int64_t cols, uint16_t* out);
 void transpose_from_bf16(const uint16_t* in, int64_t rows, int64_t cols, float* out);
 
-// Gives back the thread's AMX tile state (after its last bf16_tile_gemm of a task).
+// Gives back the thread's AMX tile state (after its last bf16_tile_gemm of a task;
+// nothing to give back on AVX-512 BF16).
 void bf16_tile_gemm_release();
 
 }  // namespace cpu

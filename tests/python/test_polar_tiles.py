@@ -1,9 +1,9 @@
-"""The native BF16 Polar-Express on oneDNN's AMX micro-kernel
-(csrc/cpu/bf16_tile_gemm.cpp; docs/design.md, "CPU kernels"): the BF16
-contract (FP32 accumulation, each GEMM output rounded to BF16 once), the same
-bits for any thread count, batch or address, tall matrices run as their
+"""The native BF16 Polar-Express on oneDNN's micro-kernel, AMX tiles or
+AVX-512 BF16 (csrc/cpu/bf16_tile_gemm.cpp; docs/design.md, "CPU kernels"): the
+BF16 contract (FP32 accumulation, each GEMM output rounded to BF16 once), the
+same bits for any thread count, batch or address, tall matrices run as their
 transposes, and the at::addmm path it replaces as the fallback. Skipped where
-the CPU has no AMX-BF16 (`ops.cpu_bf16_tile_gemm()` is False)."""
+the CPU runs no micro-kernel (`ops.cpu_bf16_tile_gemm()` is "")."""
 
 import pytest
 import torch
@@ -11,10 +11,10 @@ import torch
 from muon_ext import ops
 from support.helpers import assert_bit_equal
 
-pytestmark = pytest.mark.skipif(not ops.cpu_bf16_tile_gemm(), reason="no AMX-BF16 micro-kernel on this CPU")
+pytestmark = pytest.mark.skipif(not ops.cpu_bf16_tile_gemm(), reason="no AVX-512 BF16 / AMX-BF16 micro-kernel on this CPU")
 
 # Sides multiples of 16 (the micro-kernel's): wide, tall, the symmetric tiles
-# skipped (side >= 512), a long side split into packed chunks (k = 4096), and
+# skipped (side >= 512 on AMX, >= 128 on AVX-512 BF16), a long side split into packed chunks (k = 4096), and
 # one with a side that is not a multiple of 16 (the at::addmm fallback).
 SHAPES = [(2, 64, 160), (2, 160, 64), (2, 256, 256), (1, 512, 640), (1, 640, 512), (1, 32, 4096), (2, 40, 72)]
 
@@ -94,3 +94,19 @@ def test_the_setting_is_read_at_every_call(tiles):
     tiles(True)
     assert_bit_equal(orthogonalize(x), a, "tiles again")
     assert not torch.equal(a, b), "the setting changed nothing: are both paths the tiles?"
+
+
+def test_the_instruction_set_is_named_and_oneDNN_switched_off_takes_addmm(tiles):
+    """cpu_bf16_tile_gemm() names the kernel's instruction set (AMX and AVX-512 BF16 sum in different
+    orders: the distributed agreement compares it); with torch's oneDNN switched off, cpublas would refuse
+    the pair layout, so the path is at::addmm then ("", and a result as close as the tiles-off one)."""
+    tiles(True)
+    has_amx = torch.cpu._is_amx_tile_supported()
+    assert ops.cpu_bf16_tile_gemm() == ("amx" if has_amx else "avx512_bf16")
+    x = torch.randn(1, 128, 256, generator=torch.Generator().manual_seed(5))
+    with torch.backends.mkldnn.flags(enabled=False):
+        assert ops.cpu_bf16_tile_gemm() == ""
+        off = orthogonalize(x)
+    tiles(False)
+    assert ops.cpu_bf16_tile_gemm() == ""
+    torch.testing.assert_close(off, orthogonalize(x), atol=0.05, rtol=0.05)

@@ -26,7 +26,7 @@ def test_cpu_polar_gemm_follows_the_settings_and_encodes_an_invalid_one(monkeypa
     assert agreement._group_cpu_polar_gemm(dict(group, polar_dtype="float32")) is None
     assert agreement._group_cpu_polar_gemm(dict(group, kind="adamw")) is None
     monkeypatch.setenv("MUON_EXT_CPU_TILE_GEMM", "0")
-    assert agreement.cpu_polar_gemm()[1] is False
+    assert agreement.cpu_polar_gemm()[1] == ""
     monkeypatch.setenv("MUON_EXT_CPU_TILE_GEMM", "2")
     kind, message = agreement._group_cpu_polar_gemm(group)
     assert kind == "invalid" and "MUON_EXT_CPU_TILE_GEMM must be '0' or '1'" in message
