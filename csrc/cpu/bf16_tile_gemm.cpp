@@ -52,7 +52,7 @@ constexpr int64_t kSymmetricTileRows = 64;
 // instruction set, measured (docs/design.md, "CPU kernels"): AMX multiplies
 // about three times faster than AVX-512 BF16, so there the mirror pays back
 // later (from 512 rows on Sapphire Rapids); on AVX-512 BF16 (Zen 4) skipping
-// paid from 128 rows: 1.13-1.25x faster on 4 x 256x256, same bits.
+// paid from 128 rows: 1.23-1.25x faster on 4 x 256x256 at 1 and 2 threads, same bits.
 constexpr int64_t kMinSkippedSideAmx = 512;
 constexpr int64_t kMinSkippedSideAvx512Bf16 = 128;
 // Columns of the packed right operand multiplied against every row tile in
