@@ -54,7 +54,7 @@ def by_shape(shapes):
     return list(groups.values())
 
 
-def ours_step(shapes, device, mode, row_blocks=None):
+def ours_step(shapes, device, mode, row_blocks=None, polar_method="standard"):
     """One ops.muon_step per same-shape bucket over fresh params (FP32, or BF16 + int16 remainders)."""
     buckets = []
     gen = torch.Generator(device=device).manual_seed(0)
@@ -72,7 +72,8 @@ def ours_step(shapes, device, mode, row_blocks=None):
 
     def step():
         for params, grads, moms, smbs, extra in buckets:
-            ops.muon_step(params, grads, moms, smbs, masters=extra, lr=lr, polar_row_blocks=row_blocks)
+            ops.muon_step(params, grads, moms, smbs, masters=extra, lr=lr, polar_row_blocks=row_blocks,
+                          polar_method=polar_method)
 
     return step
 
@@ -182,6 +183,9 @@ def main():
         for blocks in ((2, 4, 8) if device.type == "cuda" else (1,)):
             builders[f"ours_bf16_remainder_row_blocks_{blocks}"] = (
                 lambda blocks=blocks: ours_step(shapes, device, "bf16_remainder", blocks))
+        if device.type == "cpu":  # Gram Newton-Schulz on every matrix (not the default; docs/design.md)
+            builders["ours_bf16_remainder_gram"] = lambda: ours_step(shapes, device, "bf16_remainder",
+                                                                     polar_method="gram")
         if device.type == "cuda":  # the CPU's per-shape probe is bench/polar_rate.py
             builders["same_gemms_bf16"] = lambda: same_gemms_step(shapes, device)
             # Every Polar-Express copy run, none folded into cublasLt GEMMs (docs/design.md, "CUDA kernels").
@@ -211,6 +215,9 @@ def main():
         case["speedup"].update({f"ours_bf16_remainder_vs_{k}": v / seconds["ours_bf16_remainder"]
                                 for k, v in seconds.items()
                                 if v is not None and ("row_blocks" in k or "copies" in k or not k.startswith("ours"))})
+        if seconds.get("ours_bf16_remainder_gram") and seconds.get("torch_muon"):
+            case["speedup"]["ours_bf16_remainder_gram_vs_torch_muon"] = (
+                seconds["torch_muon"] / seconds["ours_bf16_remainder_gram"])
         flops = polar_express_flops(shapes)
         case["polar_express_flops_per_s"] = {k: flops / v for k, v in seconds.items() if v is not None}
         achieved = flops / seconds["ours_bf16_remainder"]

@@ -56,9 +56,10 @@ def make_params(shapes, device, dtype, seed):
     return params
 
 
-def build_ours(sets, device, dtype, compiled=False, polar_dtype="bfloat16"):
+def build_ours(sets, device, dtype, compiled=False, polar_dtype="bfloat16", polar_method="standard"):
     hidden, other = make_params(sets["hidden"], device, dtype, 0), make_params(sets["other"], device, dtype, 1)
-    opt = MuonAdamW([{"params": hidden, "kind": "muon", "lr": MUON_LR, "weight_decay": WD, "polar_dtype": polar_dtype},
+    opt = MuonAdamW([{"params": hidden, "kind": "muon", "lr": MUON_LR, "weight_decay": WD, "polar_dtype": polar_dtype,
+                      "polar_method": polar_method},
                      {"params": other, "kind": "adamw", "lr": ADAMW_LR, "weight_decay": WD}])
     if compiled:
         # The kernels are torch.library ops, so they become graph nodes; the
@@ -212,7 +213,8 @@ def main():
                          not args.one_at_a_time else "seconds: median, contenders timed one after the other",
                          "ours orthogonalizes with BF16 operands (polar_dtype='bfloat16', the default; on CPU "
                          "muon_ext.ops.cpu_bf16_gemm() says whether natively or as FP32 GEMMs on BF16 values); "
-                         "*_fp32_polar: polar_dtype='float32'. The seed and torch.optim.Muon use BF16 GEMMs"]}
+                         "*_fp32_polar: polar_dtype='float32'; *_gram: polar_method='gram' (Gram Newton-Schulz on "
+                         "every hidden matrix, not the default). The seed and torch.optim.Muon use BF16 GEMMs"]}
     if seed is None:
         results["notes"].append("../shared absent: seed peer skipped")
     for set_name, sets in param_sets(device).items():
@@ -222,7 +224,9 @@ def main():
             "ours_bf16_remainder_compiled": lambda: build_ours(sets, device, torch.bfloat16, compiled=True),
             "ours_fp32": lambda: build_ours(sets, device, torch.float32),
             **({} if on_gpu else {"ours_bf16_remainder_fp32_polar":
-                                  lambda: build_ours(sets, device, torch.bfloat16, polar_dtype="float32")}),
+                                  lambda: build_ours(sets, device, torch.bfloat16, polar_dtype="float32"),
+                                  "ours_bf16_remainder_gram":
+                                  lambda: build_ours(sets, device, torch.bfloat16, polar_method="gram")}),
             "torch_muon_adamw_fused_fp32": lambda: build_torch(sets, device, torch.float32),
             "torch_muon_adamw_fused_bf16": lambda: build_torch(sets, device, torch.bfloat16),
         }
@@ -236,11 +240,18 @@ def main():
                 "speedup_of_ours_bf16_remainder": {} if ours is None else {
                     name: r["seconds"] / ours for name, r in measured.items()
                     if "seconds" in r and name != "ours_bf16_remainder"}}
+        gram, peer = (measured.get(k, {}).get("seconds") for k in ("ours_bf16_remainder_gram",
+                                                                     "torch_muon_adamw_fused_fp32"))
+        if gram and peer:
+            case["speedup_of_ours_bf16_remainder_gram_vs_torch_muon_adamw_fused_fp32"] = peer / gram
         results["cases"].append(case)
         write_json(args.out, results)  # after every set: a stage cut short still reports what it measured
     for case in results["cases"]:  # the ratios after the JSON, where a terminal shows them
         print(f"{case['params']}: ours_bf16_remainder is "
               + ", ".join(f"{v:.2f}x {k}" for k, v in case["speedup_of_ours_bf16_remainder"].items()))
+        gram = case.get("speedup_of_ours_bf16_remainder_gram_vs_torch_muon_adamw_fused_fp32")
+        if gram:
+            print(f"{case['params']}: ours_bf16_remainder_gram is {gram:.2f}x torch_muon_adamw_fused_fp32")
 
 
 if __name__ == "__main__":
