@@ -63,12 +63,15 @@ def _hash(value) -> int:
 
 def cpu_polar_gemm() -> tuple:
     """This process's CPU Polar-Express GEMM path for polar_dtype "bfloat16":
-    (ops.cpu_bf16_gemm(), ops.cpu_bf16_tile_gemm()). Each choice has its own
-    summation order, so ranks on different paths compute different bits for
-    the same matrix: replicas would drift apart without an error. Both follow
-    the CPU (AVX-512 BF16, AMX) and MUON_EXT_CPU_BF16_GEMM / MUON_EXT_CPU_TILE_GEMM,
-    which are read per process; an invalid value raises here."""
-    return ops.cpu_bf16_gemm(), ops.cpu_bf16_tile_gemm()
+    (ops.cpu_bf16_gemm(), ops.cpu_bf16_tile_gemm(), whether the native path's
+    at::addmm runs on oneDNN). Each choice has its own summation order, so
+    ranks on different paths compute different bits for the same matrix:
+    replicas would drift apart without an error. They follow the CPU
+    (AVX-512 BF16, AMX), MUON_EXT_CPU_BF16_GEMM / MUON_EXT_CPU_TILE_GEMM (read
+    per process; an invalid value raises here) and torch.backends.mkldnn.enabled
+    (off, at::addmm multiplies BF16 without oneDNN, and the micro-kernel is off)."""
+    native = ops.cpu_bf16_gemm()
+    return native, ops.cpu_bf16_tile_gemm(), native == "native" and bool(torch.backends.mkldnn.enabled)
 
 
 def _group_cpu_polar_gemm(group: dict):
@@ -172,9 +175,9 @@ def _what_differs(key: str) -> str:
     if key == "params":
         return "its params (shapes, dtypes, placements)"
     if key == CPU_POLAR_GEMM:
-        return ("its CPU BF16 GEMM path (ops.cpu_bf16_gemm(), ops.cpu_bf16_tile_gemm(): each sums in its own "
-                "order, so replicas would drift apart; set MUON_EXT_CPU_BF16_GEMM=rounded and "
-                "MUON_EXT_CPU_TILE_GEMM=0 on every rank of a mixed cluster)")
+        return ("its CPU BF16 GEMM path (ops.cpu_bf16_gemm(), ops.cpu_bf16_tile_gemm(), "
+                "torch.backends.mkldnn.enabled: each sums in its own order, so replicas would drift apart; set "
+                "MUON_EXT_CPU_BF16_GEMM=rounded and MUON_EXT_CPU_TILE_GEMM=0 on every rank of a mixed cluster)")
     return f"setting '{key}'"
 
 

@@ -22,7 +22,14 @@ def test_cpu_polar_gemm_follows_the_settings_and_encodes_an_invalid_one(monkeypa
     from muon_ext.distributed import agreement
 
     group = {"kind": "muon", "polar_dtype": "bfloat16", "params": [torch.zeros(4, 4)]}
-    assert agreement._group_cpu_polar_gemm(group) == (ops.cpu_bf16_gemm(), ops.cpu_bf16_tile_gemm())
+    native = ops.cpu_bf16_gemm() == "native"
+    assert agreement._group_cpu_polar_gemm(group) == (ops.cpu_bf16_gemm(), ops.cpu_bf16_tile_gemm(), native)
+    # torch's oneDNN switched off: at::addmm sums BF16 elsewhere (native path), so the digest changes there.
+    torch.backends.mkldnn.enabled = False
+    try:
+        assert agreement.cpu_polar_gemm() == (ops.cpu_bf16_gemm(), "", False)
+    finally:
+        torch.backends.mkldnn.enabled = True
     assert agreement._group_cpu_polar_gemm(dict(group, polar_dtype="float32")) is None
     assert agreement._group_cpu_polar_gemm(dict(group, kind="adamw")) is None
     monkeypatch.setenv("MUON_EXT_CPU_TILE_GEMM", "0")
