@@ -146,6 +146,26 @@ def cpu_gemm_rates(n: int = 1024) -> Dict[str, float]:
     return rates
 
 
+# The CPU features that decide our paths and the peers' speed (BF16 GEMM or not, AMX or not).
+CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512_bf16", "avx512_fp16", "amx_bf16", "amx_tile")
+
+
+def cpu_identity() -> dict:
+    """The CPU's model, family/model numbers, logical CPUs and CPU_FLAGS present, from /proc/cpuinfo
+    (Linux; elsewhere the platform's processor string only): results from different hosts stay apart."""
+    info = {"processor": platform.processor(), "logical_cpus": os.cpu_count()}
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return info
+    first = text.split("\n\n", 1)[0]
+    fields = dict(line.split(":", 1) for line in first.splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    info.update({"model_name": fields.get("model name"), "family": fields.get("cpu family"),
+                 "model": fields.get("model"), "flags": [f for f in CPU_FLAGS if f in fields.get("flags", "").split()]})
+    return info
+
+
 def environment(device: torch.device) -> dict:
     env = {"torch": str(torch.__version__), "python": platform.python_version(), "device": str(device),
            "cpu_threads": torch.get_num_threads()}
@@ -153,6 +173,7 @@ def environment(device: torch.device) -> dict:
         env["gpu"] = torch.cuda.get_device_name(device)
     else:
         env["cpu_capability"] = torch.backends.cpu.get_cpu_capability()
+        env["cpu"] = cpu_identity()
         env["isa_caps"] = {k: os.environ[k] for k in AVX2_HOST_ENV if k in os.environ}
         env["gemm_flops_per_s"] = cpu_gemm_rates()
         from muon_ext import ops  # how BF16 Polar-Express multiplies here: "native" or "rounded"
