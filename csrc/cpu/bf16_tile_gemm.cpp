@@ -242,21 +242,25 @@ __attribute__((target("avx512f,avx512bw"))) void mirror_lower_rows(uint16_t* out
 enum class TileIsa { kNone, kAmx, kAvx512Bf16 };
 
 // Whether cpublas::brgemm multiplies BF16 pairs here: a torch without oneDNN's
-// ukernel raises on the pair layout, so one small product is checked before
-// any step relies on it. Its entries are small integers, exact in FP32 in any
-// summation order, so the result must equal the double sum exactly.
+// ukernel raises on the pair layout, so one small product, packed by
+// pack_chunk as every GEMM is, is checked before any step relies on it. Its
+// entries are small integers, exact in FP32 in any summation order, so the
+// result must equal the double sum exactly. Called only where AVX-512 BF16
+// (hence BW, which pack_chunk needs) is present.
 bool micro_kernel_multiplies_correctly() {
-  constexpr int64_t m = 16, n = 16, k = 32;
-  std::vector<c10::BFloat16> lhs(m * k), packed(k * n);
+  constexpr int64_t m = 16, n = 32, k = 32;
+  std::vector<c10::BFloat16> lhs(m * k), rhs(k * n), packed(k * n);
   std::vector<float> acc(m * n);
   auto a = [](int64_t i, int64_t p) { return float((i + 2 * p) % 5 - 2); };
   auto b = [](int64_t p, int64_t j) { return float((3 * p + j) % 7 - 3); };
   for (int64_t i = 0; i < m; ++i) {
     for (int64_t p = 0; p < k; ++p) lhs[i * k + p] = c10::BFloat16(a(i, p));
   }
-  for (int64_t p = 0; p < k; ++p) {  // [k / 2][n][2], pack_chunk's layout
-    for (int64_t j = 0; j < n; ++j) packed[(p / 2) * n * 2 + j * 2 + p % 2] = c10::BFloat16(b(p, j));
+  for (int64_t p = 0; p < k; ++p) {
+    for (int64_t j = 0; j < n; ++j) rhs[p * n + j] = c10::BFloat16(b(p, j));
   }
+  pack_chunk(Bf16Matrix{reinterpret_cast<const uint16_t*>(rhs.data()), n, /*transposed=*/false}, k, 0, n,
+             reinterpret_cast<uint16_t*>(packed.data()));
   try {
     at::native::cpublas::brgemm(m, n, k, k, n, n, /*add_C=*/false, lhs.data(), packed.data(), acc.data(),
                                 /*is_vnni=*/true);

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from muon_ext import ops
-from support.helpers import assert_bit_equal
+from support.helpers import assert_bit_equal, onednn_off
 
 pytestmark = pytest.mark.skipif(not ops.cpu_bf16_tile_gemm(), reason="no AVX-512 BF16 / AMX-BF16 micro-kernel on this CPU")
 
@@ -104,12 +104,9 @@ def test_the_instruction_set_is_named_and_oneDNN_switched_off_takes_addmm(tiles)
     has_amx = torch.cpu._is_amx_tile_supported()
     assert ops.cpu_bf16_tile_gemm() == ("amx" if has_amx else "avx512_bf16")
     x = torch.randn(1, 128, 256, generator=torch.Generator().manual_seed(5))
-    torch.backends.mkldnn.enabled = False
-    try:
+    with onednn_off():
         assert ops.cpu_bf16_tile_gemm() == ""
         off = orthogonalize(x)
-    finally:
-        torch.backends.mkldnn.enabled = True
     tiles(False)
     assert ops.cpu_bf16_tile_gemm() == ""
     torch.testing.assert_close(off, orthogonalize(x), atol=0.05, rtol=0.05)

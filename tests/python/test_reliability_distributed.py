@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from support import reliability_distributed_cases as cases
 from support.dist_helpers import spawn
+from support.helpers import onednn_off
 
 
 def test_every_call_completes_or_raises_on_every_rank(tmp_path):
@@ -25,11 +26,8 @@ def test_cpu_polar_gemm_follows_the_settings_and_encodes_an_invalid_one(monkeypa
     native = ops.cpu_bf16_gemm() == "native"
     assert agreement._group_cpu_polar_gemm(group) == (ops.cpu_bf16_gemm(), ops.cpu_bf16_tile_gemm(), native)
     # torch's oneDNN switched off: at::addmm sums BF16 elsewhere (native path), so the digest changes there.
-    torch.backends.mkldnn.enabled = False
-    try:
+    with onednn_off():
         assert agreement.cpu_polar_gemm() == (ops.cpu_bf16_gemm(), "", False)
-    finally:
-        torch.backends.mkldnn.enabled = True
     assert agreement._group_cpu_polar_gemm(dict(group, polar_dtype="float32")) is None
     assert agreement._group_cpu_polar_gemm(dict(group, kind="adamw")) is None
     monkeypatch.setenv("MUON_EXT_CPU_TILE_GEMM", "0")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 import tempfile
@@ -127,3 +128,15 @@ def assert_same_optimizer_tensors(opt_a, opt_b):
     assert a.keys() == b.keys()
     for key in a:
         assert_bit_equal(a[key].cpu(), b[key].cpu(), key)
+
+
+@contextlib.contextmanager
+def onednn_off():
+    """torch's oneDNN switched off (torch.backends.mkldnn.enabled) for the block, then as it was; not
+    torch.backends.mkldnn.flags, which also sets (and warns about) TF32."""
+    before = torch.backends.mkldnn.enabled
+    torch.backends.mkldnn.enabled = False
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = before
