@@ -48,15 +48,34 @@ class Bucket:
 
 
 class WorkItem(NamedTuple):
-    """One kernel call of a step: a bucket's params that have grads of one dtype.
+    """One unit of a step's plan: a bucket's params that have grads of one dtype.
     `blocks`: the group's parsed Muon `row_blocks` (muon_ext.row_blocks.RowBlocks),
-    None where each param is one matrix; the runners cut their calls by it."""
+    None where each param is one matrix; the runners cut their calls by it.
+    `dtensors`: for DTensor params, the params themselves, whose local tensors
+    `params` and `grads` are (their state, names and autograd versions are the
+    DTensors'); None for plain params. `exchange`: how a Muon item's rows
+    travel to the rank that orthogonalizes each matrix and back
+    (muon_ext.distributed.step.MuonExchange); None where every matrix is whole
+    on this rank and the fused kernel steps it (docs/design.md, "Data flow of
+    one step")."""
 
     bucket: Bucket
     group: dict
     params: List[torch.nn.Parameter]
     grads: List[torch.Tensor]
     blocks: Optional[Any] = None
+    dtensors: Optional[List[torch.nn.Parameter]] = None
+    exchange: Optional[Any] = None
+
+    @property
+    def owners(self) -> List[torch.nn.Parameter]:
+        """The optimizer's params this item steps (the DTensors for local shards)."""
+        return self.params if self.dtensors is None else self.dtensors
+
+    @property
+    def mesh(self):
+        """The device mesh of a DTensor item (its ranks step or skip together), None for plain params."""
+        return None if self.dtensors is None else self.dtensors[0].device_mesh
 
 
 def is_dtensor(t) -> bool:

@@ -1,10 +1,11 @@
 """MuonAdamW: Muon for hidden matrices, AdamW for everything else, with exact
 FP32 master weights (FP32 params, FP32 master tensors or BF16 + int16 remainders).
 
-A step runs plan (every check, before anything is written; buckets.py) ->
-run (each work item's kernel call and writers, by the runner of the state's
-residency: runners.py, offload.py) -> the DTensor params (distributed/step.py:
-gather to each matrix's owner -> kernels -> scatter) -> writer reports
+A step is one loop for every kind of param: plan (the work items of plain
+params, buckets.py, and of DTensor params with the exchange each Muon item
+needs, distributed/step.py; every check passed, agreed on every rank, before
+anything is written) -> run (each item's kernels, exchange and writers, by the
+runner of the state's residency: runners.py, offload.py) -> writer reports
 (docs/design.md, "Data flow of one step").
 """
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, List, Optional
 
 import torch
 
@@ -20,7 +21,7 @@ from . import adapters as adapter_loader
 from . import checkpoint, ops, schema, writers
 from ._types import ParamInfo, is_dtensor
 from .amp import GradScalerInputs, capturing, device_lr
-from .buckets import StepPlanner
+from .buckets import PlannedItem, StepPlanner
 from .offload import StagedRunner, check_offload
 from .param_rules import check_group
 from .runners import ResidentRunner
@@ -183,16 +184,7 @@ class MuonAdamW(torch.optim.Optimizer):
                 loss = closure()
         self._states.begin_call()
         try:
-            schema.check_options(self.master_weights, self.grad_attr, self.max_workspace_bytes)
-            try:
-                work = self._planner.plan(self.param_groups, self._states.infos, self._states.tensors,
-                                          self.grad_attr, hasattr(self, "found_inf"))
-                self._runner.check_step()
-            finally:  # DTensor params: every rank joins the agreement, also one whose planning just failed
-                failed = sys.exc_info()[0] is not None
-                dwork = self._distributed.plan(self._planner, self.param_groups, self._states.infos,
-                                               self._states.tensors, self.grad_attr, failed=failed,
-                                               scaler=hasattr(self, "found_inf"))
+            plan = self._plan()
         except Exception:
             # GradScaler deletes these only after a step returns: drop them so
             # that a later step does not unscale with this step's scale.
@@ -201,14 +193,29 @@ class MuonAdamW(torch.optim.Optimizer):
             raise
         self._states.pending.resolve()
         scalers = GradScalerInputs(getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
-        self._runner.run(work, self.param_groups, scalers)
-        if dwork:
-            self._distributed.run(dwork, self.param_groups, self._states, scalers, self.max_workspace_bytes)
-        self._runner.retry_stale_writers(work)
+        self._runner.run(plan, self.param_groups, scalers)  # kernels, then each item's writers
+        self._runner.retry_stale_writers(plan)
         # Every rank of a mesh where some rank has writers reports every rank's failures (docs/design.md, "Every
         # call completes or changes nothing").
         self._states.raise_writer_failures("step", self._distributed.writer_meshes)
         return loss
+
+    def _plan(self) -> List[PlannedItem]:
+        """The step's work items, every check passed on every rank (docs/design.md, "Data flow of one step"):
+        the plain params' buckets, then the DTensor params' items with the exchange each needs. Collective
+        where there are DTensor params: every rank joins their agreement, also one whose own planning just
+        failed, so that a refusal raises on every rank before any rank writes."""
+        schema.check_options(self.master_weights, self.grad_attr, self.max_workspace_bytes)
+        scaler = hasattr(self, "found_inf")
+        try:
+            items = self._planner.plan(self.param_groups, self._states.infos, self._states.tensors, self.grad_attr,
+                                       scaler)
+            self._runner.check_step()
+        finally:
+            failed = sys.exc_info()[0] is not None
+            shard_items = self._distributed.plan(self._planner, self.param_groups, self._states.infos,
+                                                 self._states.tensors, self.grad_attr, failed=failed, scaler=scaler)
+        return items + shard_items
 
     # ------------------------------------------------------------------
     # Masters

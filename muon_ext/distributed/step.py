@@ -22,10 +22,11 @@ from typing import Callable, Dict, List, Mapping, NamedTuple, Tuple
 import torch
 import torch.distributed as dist
 
-from .. import _C, ops, row_blocks
+from .. import _C, op_arguments, ops, row_blocks
 from .._shapes import as_matrices, matrix_shape, muon_stats_shape
 from ..amp import capturing
-from .._types import ParamInfo, is_dtensor
+from .._types import Bucket, ParamInfo, WorkItem, is_dtensor
+from ..buckets import PlannedItem
 from ..schema import SUPPORTED_DTYPES
 from .agreement import step_digest
 from .exchange import exchange_replicated, exchange_sharded
@@ -189,7 +190,7 @@ class DistributedStep:
             raise error
         if failed:
             return None
-        return _work(dinfos, self._local_grads(dinfos, grads), groups)
+        return self._items(dinfos, self._local_grads(dinfos, grads), groups, tensors)
 
     def _agree(self, infos: List[ParamInfo], grads: Dict, refused: bool, grad_attr: str, groups: List[dict],
                scaler: bool, writers: bool) -> None:
@@ -241,48 +242,33 @@ class DistributedStep:
                     raise ValueError(f"MuonAdamW.step: {info.name}'s {grad_attr} has different placements on "
                                      f"different ranks of its mesh; nothing was written on any rank")
 
-    # -- run --------------------------------------------------------------
+    # -- work items -------------------------------------------------------
 
-    def run(self, work, groups: List[dict], states, scalers, max_workspace_bytes: int) -> None:
-        """Runs planned work: AdamW on local shards, Muon by exchange groups.
-        With a GradScaler (every rank must use one, or none) its found_inf is
-        summed over each mesh first: one more small all_reduce per mesh."""
-        adamw, muon = work
-        agreed: Dict[object, Tuple] = {}
-
-        def scaler_inputs(entries: List[_Entry]) -> Tuple:
-            """GradScaler's (inv_scale, found_inf) with found_inf summed over the mesh: the ranks of a mesh skip
-            or step together (an owner skipping would send stale rows to ranks that step)."""
-            mesh = entries[0].info.param.device_mesh
-            if mesh not in agreed:
-                inv_scale, found_inf = scalers.on(entries[0].param.device)
-                if found_inf is not None:
-                    found_inf = found_inf.clone()
-                    _all_reduce_over(mesh, found_inf)
-                agreed[mesh] = (inv_scale, found_inf)
-            return agreed[mesh]
-
+    def _items(self, infos: List[ParamInfo], grads: Dict, groups: List[dict], tensors: Mapping) -> List[PlannedItem]:
+        """The DTensor params' part of the step's plan, in the same order on every rank: AdamW items on the
+        local shards, then per Muon exchange group one item whose `exchange` brings each matrix's rows to its
+        owner, or, where every matrix is whole on every rank, fused-kernel items like plain params'. Items of
+        a group are cut by (param dtype, master mode, grad dtype): the kernels take one of each per call."""
+        adamw, muon = _work(infos, grads, groups)
+        items: List[PlannedItem] = []
         for gi, entries in adamw:
-            self._adamw(groups[gi], entries, states.tensors, *scaler_inputs(entries))
+            items += _local_items(Bucket(gi, "adamw", [e.info.param for e in entries]), groups[gi], entries,
+                                  tensors, ("exp_avg", "exp_avg_sq", "step"), None)
         first = 0  # the owner of each exchange group's first matrix: rotates, so that small groups spread out
         for (gi, rows, cols, _, _), entries in muon:
-            self._muon(groups[gi], rows, cols, entries, states, max_workspace_bytes, first, *scaler_inputs(entries))
+            group, layout = groups[gi], layout_of(entries[0].info.param)
+            bucket = Bucket(gi, "muon", [e.info.param for e in entries])
+            blocks = row_blocks.of_group(group, rows)  # each block a matrix of its own (docs/design.md,
+            # "Row blocks"): cut at the owners' orthogonalization and at phase 3, on the rows each rank holds
+            if not layout.split_dims and not layout.replicate_dims:  # every matrix whole, no one to share with
+                items += _local_items(bucket, group, entries, tensors, _MUON_KEYS, blocks)
+            else:
+                exchange = MuonExchange(self, rows, cols, entries, first)
+                item = WorkItem(bucket, group, [e.param for e in entries], [e.grad for e in entries], blocks,
+                                [e.info.param for e in entries], exchange)
+                items.append(PlannedItem(item, {}, None))
             first += len(entries)
-        written = [e.info.param for _, entries in adamw + muon for e in entries]
-        if written:
-            torch.autograd.graph.increment_version(written)
-
-    def _adamw(self, group: dict, entries: List[_Entry], tensors, inv_scale, found_inf) -> None:
-        for batch in _batches(entries, lambda e: (e.param.dtype, e.info.master_mode, e.grad.dtype)):
-            state = [tensors[e.info.param] for e in batch]
-            beta1, beta2 = group["betas"]
-            ops.adamw_step(
-                [e.param for e in batch], [e.grad for e in batch], [local(s["exp_avg"]) for s in state],
-                [local(s["exp_avg_sq"]) for s in state], [local(s["step"]) for s in state],
-                masters=[local(s["master_param"]) for s in state if "master_param" in s], lr=group["lr"],
-                beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                adam_w_mode=group["adam_w_mode"], bias_correction=group["bias_correction"], inv_scale=inv_scale,
-                found_inf=found_inf)
+        return items
 
     def _shard_group(self, layout: Layout, shape: Tuple[int, ...]) -> ShardGroup:
         key = (layout, shape)
@@ -290,8 +276,11 @@ class DistributedStep:
             self._shard_groups[key] = shard_group(layout, shape)
         return self._shard_groups[key]
 
-    def _muon(self, group: dict, rows: int, cols: int, entries: List[_Entry], states, max_workspace_bytes: int,
-              first: int, inv_scale, found_inf) -> None:
+    def _muon(self, group: dict, rows: int, cols: int, entries: List[_Entry], blocks, states,
+              max_workspace_bytes: int, first: int, inv_scale, found_inf) -> None:
+        """Muon on matrices split or replicated over their mesh: phase 1 on the local rows, phase 2 where each
+        matrix is whole (its owner, by the exchange; or in place by Gram all_reduces), phase 3 on the local
+        rows."""
         view = group["matrix_view"]
         layout: Layout = layout_of(entries[0].info.param)
         tensors = states.tensors
@@ -305,25 +294,18 @@ class DistributedStep:
             return t.reshape(t.shape[0], math.prod(t.shape[1:])) if split else as_matrices(t, view)
 
         moms = [mat(local(tensors[e.info.param]["momentum_buffer"])) for e in entries]
-        blocks = row_blocks.of_group(group, rows)  # each block a matrix of its own (docs/design.md,
-        # "Row blocks"): cut at the owners' orthogonalization and at phase 3, on the rows each rank holds
-        if not split and not replicas:  # every matrix is whole here, no one to share with: the fused step, same bits
-            self._muon_fused(group, entries, moms, mat, tensors, inv_scale, found_inf, max_workspace_bytes, blocks)
-            return
         updates = [m.new_empty(m.shape) for m in moms]
         for batch in _batches(list(range(len(entries))), lambda i: entries[i].grad.dtype):
             ops.muon_momentum([mat(entries[i].grad) for i in batch], [moms[i] for i in batch],
-                              [updates[i] for i in batch], momentum=group["momentum"], nesterov=group["nesterov"],
-                              inv_scale=inv_scale, found_inf=found_inf)
+                              [updates[i] for i in batch], inv_scale=inv_scale, found_inf=found_inf,
+                              **op_arguments.muon_momentum(group))
         stats = []
         if group["beta2"] is not None:
             stats = [local(tensors[e.info.param]["second_momentum_buffer"]) for e in entries]
 
         def orthogonalize_matrices(whole: List[torch.Tensor], whole_stats: List[torch.Tensor]) -> None:
-            ops.muon_orthogonalize(whole, whole_stats, beta2=group["beta2"], ns_steps=group["ns_steps"],
-                                   ns_coefficients=group["ns_coefficients"], max_workspace_bytes=max_workspace_bytes,
-                                   polar_dtype=group["polar_dtype"], polar_method=group["polar_method"],
-                                   found_inf=found_inf)
+            ops.muon_orthogonalize(whole, whole_stats, max_workspace_bytes=max_workspace_bytes, found_inf=found_inf,
+                                   **op_arguments.muon_orthogonalize(group))
             self.polar_flops += len(whole) * _polar_flops(*whole[0].shape[-2:], group["ns_steps"])
 
         def orthogonalize(whole: List[torch.Tensor], whole_stats: List[torch.Tensor]) -> None:
@@ -355,10 +337,9 @@ class DistributedStep:
                        if "master_param" in tensors[entries[i].info.param]]
             params, batch_updates = [mat(entries[i].param) for i in batch], [updates[i] for i in batch]
             for block_rows, scale, index in runs:
-                lr, weight_decay = row_blocks.scaled(group["lr"], group["weight_decay"], scale)
+                settings = op_arguments.muon_apply(group, scale)
                 _apply_rows(index, params, batch_updates, masters, lambda ps, us, ms: ops.muon_apply(
-                    ps, us, masters=ms, lr=lr, weight_decay=weight_decay, lr_scale=group["lr_scale"],
-                    matrix_shape=(block_rows, cols), found_inf=found_inf))
+                    ps, us, masters=ms, matrix_shape=(block_rows, cols), found_inf=found_inf, **settings))
 
     def _gram(self, group: dict, rows: int, cols: int, entries: List[_Entry], updates: List[torch.Tensor],
               stats: List[torch.Tensor], layout: Layout, blocks, found_inf) -> int:
@@ -394,18 +375,55 @@ class DistributedStep:
                     update.index_copy_(0, local_rows, x[i])
         return sent
 
-    @staticmethod
-    def _muon_fused(group: dict, entries: List[_Entry], moms, mat, tensors, inv_scale, found_inf,
-                    max_workspace_bytes: int, blocks) -> None:
-        for batch in _batches(list(range(len(entries))),
-                              lambda i: (entries[i].param.dtype, entries[i].info.master_mode, entries[i].grad.dtype)):
-            state = [tensors[entries[i].info.param] for i in batch]
-            row_blocks.muon_step(
-                blocks, group, [mat(entries[i].param) for i in batch], [mat(entries[i].grad) for i in batch],
-                [moms[i] for i in batch],
-                [local(s["second_momentum_buffer"]) for s in state] if group["beta2"] is not None else [],
-                [mat(local(s["master_param"])) for s in state if "master_param" in s], inv_scale=inv_scale,
-                found_inf=found_inf, max_workspace_bytes=max_workspace_bytes)
+
+_MUON_KEYS = ("momentum_buffer", "second_momentum_buffer")
+
+
+class MuonExchange(NamedTuple):
+    """How a DTensor Muon item's rows travel (WorkItem.exchange): its matrices split or replicated over the
+    mesh go to their owners (the first one's owner rotates with `first`), are orthogonalized there and
+    come back, by `DistributedStep._muon`."""
+
+    step: "DistributedStep"
+    rows: int
+    cols: int
+    entries: List[_Entry]
+    first: int
+
+    def run(self, item: WorkItem, states, inv_scale, found_inf, max_workspace_bytes: int) -> None:
+        self.step._muon(item.group, self.rows, self.cols, self.entries, item.blocks, states, max_workspace_bytes,
+                        self.first, inv_scale, found_inf)
+
+
+def mesh_scalers(mesh, device: torch.device, scalers, agreed: Dict) -> Tuple:
+    """GradScaler's (inv_scale, found_inf) for a DTensor item, with found_inf summed over its mesh at the
+    mesh's first item of the step (`agreed` keeps it for the rest): the ranks of a mesh skip or step
+    together (an owner skipping would send stale rows to ranks that step)."""
+    if mesh not in agreed:
+        inv_scale, found_inf = scalers.on(device)
+        if found_inf is not None:
+            found_inf = found_inf.clone()
+            _all_reduce_over(mesh, found_inf)
+        agreed[mesh] = (inv_scale, found_inf)
+    return agreed[mesh]
+
+
+def _local_items(bucket: Bucket, group: dict, entries: List[_Entry], tensors: Mapping, keys: Tuple[str, ...],
+                 blocks) -> List[PlannedItem]:
+    """Items whose local tensors the fused kernels step as they step plain params, with their state lists
+    (local tensors; a list None where an entry is still to be created: NorMuon switched on later)."""
+    out = []
+    for batch in _batches(entries, lambda e: (e.param.dtype, e.info.master_mode, e.grad.dtype)):
+        state = [tensors[e.info.param] for e in batch]
+        lists = {key: [local(s[key]) for s in state] if all(key in s for s in state) else None for key in keys}
+        if bucket.kind == "muon" and group["beta2"] is None:
+            lists["second_momentum_buffer"] = []
+        if "master_param" in state[0]:
+            lists["master_param"] = [local(s["master_param"]) for s in state]
+        item = WorkItem(bucket, group, [e.param for e in batch], [e.grad for e in batch], blocks,
+                        [e.info.param for e in batch])
+        out.append(PlannedItem(item, lists, None))
+    return out
 
 
 def agree_on_checks(param, checks: Callable[[], None], what: str) -> None:
