@@ -186,10 +186,16 @@ def check_hyper(index: int, group: dict) -> None:
     _check_row_blocks(where, group)
     if group.get("split_polar", "exchange") not in SPLIT_POLAR:
         raise ValueError(f"{where}split_polar must be one of {SPLIT_POLAR}, got {group['split_polar']!r}")
+    if group.get("split_polar") == "gram" and group["polar_method"] != "standard":
+        raise ValueError(f"{where}polar_method={group['polar_method']!r} with split_polar='gram': matrices split "
+                         "over ranks are orthogonalized on their shards by the standard iteration (one Gram "
+                         "all_reduce per iteration); set polar_method='standard', or split_polar='exchange' to "
+                         "orthogonalize each matrix whole on one rank")
 
 
 # How a DTensor Muon matrix split over one mesh dim is orthogonalized (optional key, absent = "exchange"):
-# gathered whole at an owner rank, or in place by Gram all_reduces (distributed/tp_polar.py; FP32 GEMMs).
+# gathered whole at an owner rank, or in place by Gram all_reduces (distributed/tp_polar.py; in polar_dtype,
+# polar_method "standard" only).
 SPLIT_POLAR = ("exchange", "gram")
 
 

@@ -33,7 +33,7 @@ from .exchange import exchange_replicated, exchange_sharded
 from .placements import Layout, dim_indices, expected_local_shape, is_split, layout_of, local
 from .shard_group import ShardGroup, shard_group
 from .state import stats_follow_rows
-from .tp_polar import normuon_sharded, polar_express_sharded
+from .tp_polar import NormuonShard, ShardedBatch, normuon_sharded, polar_express_shards
 
 __all__ = ["DistributedStep", "dtensor_infos", "agree_on_checks"]
 
@@ -255,17 +255,29 @@ class DistributedStep:
             items += _local_items(Bucket(gi, "adamw", [e.info.param for e in entries]), groups[gi], entries,
                                   tensors, ("exp_avg", "exp_avg_sq", "step"), None)
         first = 0  # the owner of each exchange group's first matrix: rotates, so that small groups spread out
+        in_place: Dict[Tuple, List[MuonMatrices]] = {}  # (mesh, mesh dim) -> matrices split there, in order
         for (gi, rows, cols, _, _), entries in muon:
             group, layout = groups[gi], layout_of(entries[0].info.param)
             bucket = Bucket(gi, "muon", [e.info.param for e in entries])
             blocks = row_blocks.of_group(group, rows)  # each block a matrix of its own (docs/design.md,
             # "Row blocks"): cut at the owners' orthogonalization and at phase 3, on the rows each rank holds
+            matrices = MuonMatrices(group, rows, cols, entries, blocks)
             if not layout.split_dims and not layout.replicate_dims:  # every matrix whole, no one to share with
                 items += _local_items(bucket, group, entries, tensors, _MUON_KEYS, blocks)
+            elif len(layout.split_dims) == 1 and not layout.replicate_dims and \
+                    group.get("split_polar", "exchange") == "gram":
+                key = (layout.mesh, layout.split_dims[0])
+                if key not in in_place:  # one item for all of them, where the first of them is
+                    in_place[key] = WorkItem(bucket, group, [], [], None, [], InPlaceExchange(self, []))
+                    items.append(PlannedItem(in_place[key], {}, None))
+                item = in_place[key]  # its lists grow: it steps (and versions) every matrix its exchange lists
+                item.exchange.matrices.append(matrices)
+                item.params.extend(e.param for e in entries)
+                item.grads.extend(e.grad for e in entries)
+                item.dtensors.extend(e.info.param for e in entries)
             else:
-                exchange = MuonExchange(self, rows, cols, entries, first)
                 item = WorkItem(bucket, group, [e.param for e in entries], [e.grad for e in entries], blocks,
-                                [e.info.param for e in entries], exchange)
+                                [e.info.param for e in entries], MuonExchange(self, matrices, first))
                 items.append(PlannedItem(item, {}, None))
             first += len(entries)
         return items
@@ -276,19 +288,14 @@ class DistributedStep:
             self._shard_groups[key] = shard_group(layout, shape)
         return self._shard_groups[key]
 
-    def _muon(self, group: dict, rows: int, cols: int, entries: List[_Entry], blocks, states,
-              max_workspace_bytes: int, first: int, inv_scale, found_inf) -> None:
-        """Muon on matrices split or replicated over their mesh: phase 1 on the local rows, phase 2 where each
-        matrix is whole (its owner, by the exchange; or in place by Gram all_reduces), phase 3 on the local
-        rows."""
-        view = group["matrix_view"]
-        layout: Layout = layout_of(entries[0].info.param)
-        tensors = states.tensors
+    def _momentum(self, sub: "MuonMatrices", states, inv_scale, found_inf):
+        """Phase 1 on the local rows: (the kernels' view of a local tensor, FP32 updates, NorMuon statistics)."""
+        group, entries, tensors = sub.group, sub.entries, states.tensors
         if group["beta2"] is not None:
             for e in entries:
                 if "second_momentum_buffer" not in tensors[e.info.param]:  # beta2 switched on after construction
                     states.init(e.info, group)
-        split, replicas = layout.split_dims, layout.replicate_dims
+        split, view = layout_of(entries[0].info.param).split_dims, group["matrix_view"]
 
         def mat(t):  # the kernels' view; a rank's block of a split matrix is [local rows, local cols]
             return t.reshape(t.shape[0], math.prod(t.shape[1:])) if split else as_matrices(t, view)
@@ -302,6 +309,34 @@ class DistributedStep:
         stats = []
         if group["beta2"] is not None:
             stats = [local(tensors[e.info.param]["second_momentum_buffer"]) for e in entries]
+        return mat, updates, stats
+
+    def _apply(self, sub: "MuonMatrices", mat, updates: List[torch.Tensor], tensors, found_inf) -> None:
+        """Phase 3 on the local rows, each row block's rows with its own lr scale."""
+        group, entries, rows, cols = sub.group, sub.entries, sub.rows, sub.cols
+        runs = [(rows, 1.0, None)]  # (matrix rows for the lr scale, block scale, local rows; None: all)
+        if sub.blocks is not None:
+            mesh = entries[0].info.param.device_mesh
+            held = dim_indices(rows, 0, tuple(mesh.mesh.shape), entries[0].info.param.placements,
+                               mesh.get_coordinate())
+            runs = row_blocks.local_runs(sub.blocks, held)
+        for batch in _batches(list(range(len(entries))), lambda i: (entries[i].param.dtype, entries[i].info.master_mode)):
+            masters = [mat(local(tensors[entries[i].info.param]["master_param"])) for i in batch
+                       if "master_param" in tensors[entries[i].info.param]]
+            params, batch_updates = [mat(entries[i].param) for i in batch], [updates[i] for i in batch]
+            for block_rows, scale, index in runs:
+                settings = op_arguments.muon_apply(group, scale)
+                _apply_rows(index, params, batch_updates, masters, lambda ps, us, ms: ops.muon_apply(
+                    ps, us, masters=ms, matrix_shape=(block_rows, cols), found_inf=found_inf, **settings))
+
+    def _muon(self, sub: "MuonMatrices", states, max_workspace_bytes: int, first: int, inv_scale,
+              found_inf) -> None:
+        """Muon on matrices split or replicated over their mesh: phase 1 on the local rows, phase 2 where each
+        matrix is whole (its owner, by the exchange), phase 3 on the local rows."""
+        group, rows, cols, entries, blocks = sub
+        layout: Layout = layout_of(entries[0].info.param)
+        mat, updates, stats = self._momentum(sub, states, inv_scale, found_inf)
+        split, replicas = layout.split_dims, layout.replicate_dims
 
         def orthogonalize_matrices(whole: List[torch.Tensor], whole_stats: List[torch.Tensor]) -> None:
             ops.muon_orthogonalize(whole, whole_stats, max_workspace_bytes=max_workspace_bytes, found_inf=found_inf,
@@ -311,9 +346,7 @@ class DistributedStep:
         def orthogonalize(whole: List[torch.Tensor], whole_stats: List[torch.Tensor]) -> None:
             row_blocks.orthogonalize_blocks(blocks, whole, whole_stats, orthogonalize_matrices)
 
-        if len(split) == 1 and not replicas and group.get("split_polar", "exchange") == "gram":
-            self.bytes_sent += self._gram(group, rows, cols, entries, updates, stats, layout, blocks, found_inf)
-        elif not split:  # replicated: the first replicate dim splits the work (any others repeat it)
+        if not split:  # replicated: the first replicate dim splits the work (any others repeat it)
             self.bytes_sent += exchange_replicated(layout.ranks(replicas[0]), updates, stats, orthogonalize, first)
         else:
             stats_sharded = bool(stats) and stats_follow_rows(entries[0].info.param, group)
@@ -326,57 +359,63 @@ class DistributedStep:
                 self.bytes_sent += exchange_replicated(layout.ranks(replicas[0]), updates, stats, in_shard_group, first)
             else:
                 self.bytes_sent += in_shard_group(updates, stats)
-        runs = [(rows, 1.0, None)]  # (matrix rows for the lr scale, block scale, local rows; None: all)
-        if blocks is not None:
-            mesh = entries[0].info.param.device_mesh
-            held = dim_indices(rows, 0, tuple(mesh.mesh.shape), entries[0].info.param.placements,
-                               mesh.get_coordinate())
-            runs = row_blocks.local_runs(blocks, held)
-        for batch in _batches(list(range(len(entries))), lambda i: (entries[i].param.dtype, entries[i].info.master_mode)):
-            masters = [mat(local(tensors[entries[i].info.param]["master_param"])) for i in batch
-                       if "master_param" in tensors[entries[i].info.param]]
-            params, batch_updates = [mat(entries[i].param) for i in batch], [updates[i] for i in batch]
-            for block_rows, scale, index in runs:
-                settings = op_arguments.muon_apply(group, scale)
-                _apply_rows(index, params, batch_updates, masters, lambda ps, us, ms: ops.muon_apply(
-                    ps, us, masters=ms, matrix_shape=(block_rows, cols), found_inf=found_inf, **settings))
+        self._apply(sub, mat, updates, states.tensors, found_inf)
 
-    def _gram(self, group: dict, rows: int, cols: int, entries: List[_Entry], updates: List[torch.Tensor],
-              stats: List[torch.Tensor], layout: Layout, blocks, found_inf) -> int:
-        """split_polar="gram": each matrix (each row block) orthogonalized where it lies, by tp_polar's Gram
-        all_reduces over the one mesh dim that splits it, then NorMuon with the whole matrix's statistics: no
-        rank gathers a matrix (docs/design.md, "Distributed (DTensor params)"). Returns the bytes sent."""
-        if found_inf is not None and bool(found_inf.item()):  # a skipped step must not move the statistics
-            return 0
-        p = entries[0].info.param
+    def _muon_in_place(self, subs: List["MuonMatrices"], states, inv_scale, found_inf) -> None:
+        """split_polar="gram": every matrix (every row block) of `subs`, all split over one mesh dim,
+        orthogonalized where it lies, then NorMuon with the whole matrix's statistics: no rank gathers a matrix
+        (docs/design.md, "Split matrices orthogonalized in place"). The collectives of all of them are joined
+        (tp_polar.py): ns_steps + 2 all_reduces per step, whatever the number of matrices and groups."""
+        if found_inf is not None and bool(found_inf.item()):  # a skipped step moves nothing, statistics included
+            return
+        phase1 = [self._momentum(sub, states, inv_scale, found_inf) for sub in subs]
+        layout = layout_of(subs[0].entries[0].info.param)
         mesh_dim = layout.split_dims[0]
-        shard_dim = 0 if p.placements[mesh_dim].dim == 0 else 1
         process_group = layout.mesh.get_group(mesh_dim)
         mesh_shape, coordinate = tuple(layout.mesh.mesh.shape), layout.mesh.get_coordinate()
-        held = dim_indices(rows, 0, mesh_shape, p.placements, coordinate) if shard_dim == 0 else \
-            _held_columns(p, mesh_shape, coordinate)
-        parts = row_blocks.gram_parts(blocks, held if shard_dim == 0 else None, rows, cols)
-        stats_local = bool(stats) and stats_follow_rows(p, group)
-        coefficients, steps = group["ns_coefficients"], group["ns_steps"]
-        sent = 0
-        per_block_stats = [row_blocks.block_stats(s, blocks, cols) if blocks is not None else [s] for s in stats]
-        for k, (local_rows, along, shape) in enumerate(parts):
-            # every matrix of the group at once: one Gram all_reduce per iteration
-            x = torch.stack([u if local_rows is None else u.index_select(0, local_rows) for u in updates])
-            sent += polar_express_sharded(x, process_group, shard_dim, coefficients, steps)
-            self.polar_flops += len(updates) * _polar_flops(*shape, steps)
+        batches, normuon, written = [], [], []
+        for sub, (_, updates, stats) in zip(subs, phase1):
+            group, rows, cols, entries, blocks = sub
+            p = entries[0].info.param
+            shard_dim = 0 if p.placements[mesh_dim].dim == 0 else 1
+            held = dim_indices(rows, 0, mesh_shape, p.placements, coordinate) if shard_dim == 0 else \
+                _held_columns(p, mesh_shape, coordinate)
+            stats_local = bool(stats) and stats_follow_rows(p, group)
+            per_block_stats = [row_blocks.block_stats(s, blocks, cols) if blocks is not None else [s] for s in stats]
+            iterations = op_arguments.polar_iterations(group)
+            for k, (local_rows, along, shape) in enumerate(row_blocks.gram_parts(blocks, held if shard_dim == 0
+                                                                                else None, rows, cols)):
+                x = torch.stack([u if local_rows is None else u.index_select(0, local_rows) for u in updates])
+                batches.append(ShardedBatch(x, shard_dim, iterations["ns_coefficients"], iterations["ns_steps"],
+                                            iterations["polar_dtype"]))
+                self.polar_flops += len(updates) * _polar_flops(*shape, iterations["ns_steps"])
+                normuon += [NormuonShard(x[i], per_block_stats[i][k], shape, shard_dim,
+                                         held if along is None else along, group["beta2"], stats_local)
+                            for i in range(len(updates)) if stats]
+                written.append((updates, local_rows, x))
+        self.bytes_sent += polar_express_shards(batches, process_group)
+        self.bytes_sent += normuon_sharded(normuon, process_group)
+        for updates, local_rows, x in written:
             for i, update in enumerate(updates):
-                if stats:
-                    sent += normuon_sharded(x[i], per_block_stats[i][k], group["beta2"], process_group, shard_dim,
-                                            held if along is None else along, shape, stats_local)
                 if local_rows is None:
                     update.copy_(x[i])
                 else:
                     update.index_copy_(0, local_rows, x[i])
-        return sent
+        for sub, (mat, updates, _) in zip(subs, phase1):
+            self._apply(sub, mat, updates, states.tensors, found_inf)
 
 
 _MUON_KEYS = ("momentum_buffer", "second_momentum_buffer")
+
+
+class MuonMatrices(NamedTuple):
+    """A Muon group's same-shape DTensor matrices with one layout, as an exchange takes them."""
+
+    group: dict
+    rows: int
+    cols: int
+    entries: List[_Entry]
+    blocks: object  # row_blocks.RowBlocks or None
 
 
 class MuonExchange(NamedTuple):
@@ -385,14 +424,23 @@ class MuonExchange(NamedTuple):
     come back, by `DistributedStep._muon`."""
 
     step: "DistributedStep"
-    rows: int
-    cols: int
-    entries: List[_Entry]
+    matrices: MuonMatrices
     first: int
 
     def run(self, item: WorkItem, states, inv_scale, found_inf, max_workspace_bytes: int) -> None:
-        self.step._muon(item.group, self.rows, self.cols, self.entries, item.blocks, states, max_workspace_bytes,
-                        self.first, inv_scale, found_inf)
+        self.step._muon(self.matrices, states, max_workspace_bytes, self.first, inv_scale, found_inf)
+
+
+class InPlaceExchange(NamedTuple):
+    """No rows travel (WorkItem.exchange for split_polar="gram"): every matrix split over one mesh dim is
+    orthogonalized on its shards by Gram all_reduces, all of the step's such matrices together, by
+    `DistributedStep._muon_in_place`."""
+
+    step: "DistributedStep"
+    matrices: List[MuonMatrices]
+
+    def run(self, item: WorkItem, states, inv_scale, found_inf, max_workspace_bytes: int) -> None:
+        self.step._muon_in_place(self.matrices, states, inv_scale, found_inf)
 
 
 def mesh_scalers(mesh, device: torch.device, scalers, agreed: Dict) -> Tuple:
