@@ -21,7 +21,7 @@ from . import _C, row_blocks
 from ._shapes import matrix_shape
 from ._types import Bucket, GradAttr, ParamInfo, WorkItem, is_dtensor
 from .amp import capturing, check_step_lr
-from .schema import check_hyper
+from .schema import check_block_scales, check_hyper
 from .state import master_mode
 from .writers import check_released
 
@@ -114,7 +114,9 @@ class StepPlanner:
         for index, group in enumerate(groups):
             check_hyper(index, group)
             _check_lr_storage(index, group["lr"])
-            check_step_lr(index, group, capturing_now)
+            check_step_lr(index, group, capturing_now)  # a CPU tensor lr: its value, and its row blocks' lrs
+            if not isinstance(group["lr"], torch.Tensor):
+                check_block_scales(f"param group {index} ({group['kind']}): ", group, group["lr"])
         buckets = self._get_buckets(groups, infos)
         for info in self._empty:
             if info.param.numel() != 0:
