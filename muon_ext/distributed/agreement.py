@@ -28,7 +28,8 @@ from ..schema import DEFAULTS
 from .placements import local
 
 __all__ = ["SETTINGS", "group_digests", "agree", "agree_over_params", "step_digest", "meshes_of", "device_of",
-           "share_failures", "RemoteWriterFailure", "device_lr_digest", "lr_code"]
+           "share_failures", "RemoteWriterFailure", "device_lr_digest", "lr_code",
+           "refuse_together"]
 
 # Every setting of either kind, plus the group's kind and its params' layout.
 # With the optional Muon keys that shape a step's exchanges (row blocks cut the owners' matrices),
@@ -220,6 +221,28 @@ def device_lr_digest(groups: Sequence[dict], indices: Sequence[int], digest: int
     for lr in lrs:
         out = (out * 31 + lr_code(lr.to(device, non_blocking=True))) & ((1 << _DIGEST_BITS) - 1)
     return out
+
+
+def refuse_together(process_group, checks: Callable[[], T], what: str) -> T:
+    """Runs `checks()`; with a `process_group` (None: none, the call is rank-local), then one all_reduce of
+    "refused" over it, so that a refusal on any of its ranks raises on every one (its own error there, a
+    RuntimeError naming `what` elsewhere) before any writes. Every rank of the group must call it."""
+    if process_group is None or not dist.is_initialized():
+        return checks()
+    result, error = None, None
+    try:
+        result = checks()
+    except Exception as exc:  # raised after the collective every rank joins
+        error = exc
+    backend = dist.get_backend(process_group)
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    refused = torch.tensor([int(error is not None)], dtype=torch.int32, device=device)
+    dist.all_reduce(refused, group=process_group)
+    if error is not None:
+        raise error
+    if int(refused.item()):
+        raise RuntimeError(f"{what}: refused on another rank (see its error there); nothing was written on any rank")
+    return result
 
 
 def device_of(params) -> torch.device:
