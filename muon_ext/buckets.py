@@ -18,10 +18,10 @@ from typing import Dict, Iterable, List, Mapping, NamedTuple, Optional, Tuple
 import torch
 
 from . import _C, row_blocks
-from ._shapes import matrix_shape
+from ._shapes import matrix_shape, stats_layout_error
 from ._types import Bucket, GradAttr, ParamInfo, WorkItem, is_dtensor
 from .amp import capturing, check_step_lr
-from .schema import check_hyper
+from .schema import check_block_scales, check_hyper
 from .state import master_mode
 from .writers import check_released
 
@@ -114,7 +114,9 @@ class StepPlanner:
         for index, group in enumerate(groups):
             check_hyper(index, group)
             _check_lr_storage(index, group["lr"])
-            check_step_lr(index, group, capturing_now)
+            check_step_lr(index, group, capturing_now)  # a CPU tensor lr: its value, and its row blocks' lrs
+            if not isinstance(group["lr"], torch.Tensor):
+                check_block_scales(f"param group {index} ({group['kind']}): ", group, group["lr"])
         buckets = self._get_buckets(groups, infos)
         for info in self._empty:
             if info.param.numel() != 0:
@@ -139,6 +141,8 @@ class StepPlanner:
                 matrix_view=view, ranges=ranges, bucket=b, param_data=bucket.writes_params)
             if result.index >= 0:
                 other_info = infos[id(bucket.params[result.other])] if result.other >= 0 else None
+                if result.problem == _P.state_shape and result.key == "second_momentum_buffer":
+                    _raise_stats_layout(infos[id(bucket.params[result.index])], group, tensors)
                 self._raise(result.problem, infos[id(bucket.params[result.index])], result.key, other_info, spec,
                             tensors, grad_attr)
             if result.token is not None:
@@ -255,6 +259,19 @@ class StepPlanner:
         if problem in _STATE_ERRORS:
             raise _state_error(problem, label, p, key, other, tensors.get(p))
         raise _GRAD_ERRORS[problem](label, p, getattr(p, attr, None), attr)
+
+
+def _raise_stats_layout(info: ParamInfo, group: dict, tensors: Mapping) -> None:
+    """NorMuon statistics laid out for other row_blocks (an edit between steps): the words the staged runner and
+    load_state_dict use for it (_shapes.stats_layout_error)."""
+    held = tensors[info.param]["second_momentum_buffer"]
+    if not isinstance(held, torch.Tensor):
+        return
+    # Row-blocked statistics are one column; other shapes are not a layout's (a replaced tensor: the usual words).
+    blocked = group.get("row_blocks") is not None or (held.dim() == 2 and held.shape[1] == 1)
+    error = stats_layout_error(info.name, info.param, group, held.shape) if blocked else None
+    if error is not None:
+        raise error
 
 
 def _check_lr_storage(index: int, lr) -> None:

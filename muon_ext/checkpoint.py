@@ -16,7 +16,7 @@ from typing import Dict, List, NamedTuple
 
 import torch
 
-from ._shapes import muon_stats_shape
+from ._shapes import muon_stats_shape, stats_layout_error
 from ._types import ParamInfo, is_dtensor
 from .loaded_masters import load_master, load_remainder
 from .schema import check_hyper, check_lr_value
@@ -104,6 +104,7 @@ def check_state_dict(groups: List[dict], states: OptimizerState, saved_dict: dic
             info = states.info(p)
             entry = saved_state.get(key, {})
             _check_entry(info, entry, merged)
+            _check_stats_layout(info, states.tensors[p], merged)
             plan.append((info, entry))
     return CheckedStateDict(saved_groups, merged_groups, plan)
 
@@ -128,6 +129,17 @@ def _expected_state_shape(p: torch.Tensor, key: str, group: Dict):
     if key == "second_momentum_buffer":
         return muon_stats_shape(p, group) if group["kind"] == "muon" else None
     return tuple(p.shape)
+
+
+def _check_stats_layout(info: ParamInfo, state: Dict, group: Dict) -> None:
+    """The NorMuon statistics this optimizer holds are laid out for its row_blocks (resident tensors, offload
+    slab regions): a checkpoint whose row_blocks need another layout is refused here, before the groups are
+    replaced, as a step refuses an edit of them."""
+    held = state.get("second_momentum_buffer") if group["kind"] == "muon" else None
+    if isinstance(held, torch.Tensor):
+        error = stats_layout_error(f"load_state_dict: {info.name}", info.param, group, held.shape)
+        if error is not None:
+            raise error
 
 
 def _check_entry(info: ParamInfo, entry: Dict, group: Dict) -> None:

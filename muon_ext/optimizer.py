@@ -284,6 +284,39 @@ class MuonAdamW(torch.optim.Optimizer):
         master = self._states.read_master(info)
         return master.full_tensor() if is_dtensor(master) else master
 
+    def get_local_master(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """A new FP32 tensor of this rank's part of the param's master: a DTensor's local shard, a plain
+        param's whole master. Never communicates (docs/design.md, "Megatron-Core adapter", QK-clip)."""
+        info = self._states.info(param)
+        self._check_params([info], all_state=False, reading=True)
+        return local(self._states.read_master(info))
+
+    @torch.no_grad()
+    def update_local_masters(self, params, values, *, process_group=None) -> None:
+        """`update_param` of this rank's parts: each param's local part (a DTensor's shard here, a plain param
+        whole) and its master set to the plain FP32 tensor of the same shape in `values`, every param checked
+        before any is written. Never communicates, except with `process_group`: one all_reduce over it, so that
+        a refusal on any of its ranks raises on every one of them before any writes (every rank calls it)."""
+        infos = [self._states.info(p) for p in params]
+        self._states.begin_call()
+
+        def checks():
+            if len(values) != len(infos):
+                raise ValueError(f"update_local_masters: {len(values)} values for {len(infos)} params")
+            if capturing():
+                raise RuntimeError("update_local_masters: not allowed during CUDA graph capture")
+            for info, v in zip(infos, values):
+                check_master_values(dataclasses.replace(info, param=local(info.param)), v)
+                if not bool(torch.isfinite(v).all()):
+                    raise ValueError(f"update_local_masters: the values for {info.name} hold NaN or inf")
+            self._check_params(infos, all_state=False, reading=False)
+
+        agreement.refuse_together(process_group, checks, "update_local_masters")
+        for info, v in zip(infos, values):
+            self._states.init(info, self.param_groups[info.group])
+            self._states.write_master(info, v.detach().to(local(info.param).device).contiguous())
+        self._states.raise_writer_failures("update_local_masters")
+
     def _check_params(self, infos: Iterable[ParamInfo], *, all_state: bool, reading: bool) -> None:
         """Outside a step, before params and masters are read or written: the step's checks (storage held, master
         mode for the dtype, state dtypes, shapes and devices), naming the param.

@@ -14,12 +14,12 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
-from . import _C, ops, row_blocks
+from . import _C, op_arguments, ops, row_blocks
 from ._types import Kind
 
 __all__ = [
     "MUON_DEFAULTS", "ADAMW_DEFAULTS", "DEFAULTS", "SUPPORTED_DTYPES", "Range", "RANGES", "MODES",
-    "label", "check_hyper", "check_lr", "check_lr_value", "check_options", "new_group",
+    "label", "check_hyper", "check_lr", "check_lr_value", "check_block_scales", "check_options", "new_group",
 ]
 
 MUON_DEFAULTS = {
@@ -138,11 +138,33 @@ def check_lr(where: str, lr, kind: str) -> None:
     _check_range(where, "lr", lr, kind)
 
 
-def check_lr_value(where: str, value: float, kind: str) -> None:
-    """A host lr value (read from a CPU lr tensor) in the kind's range."""
+def check_lr_value(where: str, value: float, kind: str, group: Optional[dict] = None) -> None:
+    """A host lr value (read from a CPU lr tensor) in the kind's range; with its `group`, also the lr of each
+    row block (`check_block_scales`)."""
     r = RANGES[(kind, "lr")]
     if not r.admits(value):
         raise ValueError(f"{where}lr must be finite and {r.describe()}, got {value}")
+    if group is not None:
+        check_block_scales(where, group, value)
+
+
+def check_block_scales(where: str, group: dict, lr: float) -> None:
+    """row_block_scales multiply a block's lr and divide its weight decay (op_arguments.block_lr_and_decay): each block's lr
+    and weight decay must be in the kernels' ranges. The lr and weight decay are per-step settings (schedulers
+    edit them), so the planner checks the products at every step, for every group, before any write
+    (docs/design.md, "Row blocks"); else the kernel refused a huge product after other params, and the
+    param's earlier blocks, were written."""
+    scales = group.get("row_block_scales")
+    if group.get("kind") != "muon" or group.get("row_blocks") is None or not isinstance(scales, (tuple, list)):
+        return
+    for k, scale in enumerate(scales):
+        block_lr, block_decay = op_arguments.block_lr_and_decay(lr, group["weight_decay"], float(scale))
+        for name, value in (("lr", block_lr), ("weight_decay", block_decay)):
+            r = RANGES[("muon", name)]
+            if not r.admits(value):
+                raise ValueError(f"{where}row_block_scales[{k}]={scale!r} gives row block {k} a {name} of {value:.6g} "
+                                 f"({name} {'times' if name == 'lr' else 'divided by'} the scale), outside the "
+                                 f"kernels' range {r.describe()} (float32)")
 
 
 def check_hyper(index: int, group: dict) -> None:

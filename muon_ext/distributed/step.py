@@ -28,7 +28,7 @@ from ..amp import capturing
 from .._types import Bucket, ParamInfo, WorkItem, is_dtensor
 from ..buckets import PlannedItem
 from ..schema import SUPPORTED_DTYPES
-from .agreement import step_digest
+from .agreement import device_lr_digest, step_digest
 from .exchange import exchange_replicated, exchange_sharded
 from .placements import Layout, dim_indices, expected_local_shape, is_split, layout_of, local
 from .shard_group import ShardGroup, shard_group
@@ -206,14 +206,18 @@ class DistributedStep:
             device = local(members[0].param).device
             # The settings of the mesh's groups and the GradScaler's presence, checked equal on every rank
             # without another collective (agreement.step_digest); settings edited on one rank only would
-            # otherwise post mismatched exchanges.
-            digest = step_digest(groups, sorted({i.group for i in members}))
+            # otherwise post mismatched exchanges, or (the lr) let replicas drift apart.
+            indices = sorted({i.group for i in members})
+            digest = step_digest(groups, indices)
             present = [grads.get(id(i.param)) is not None for i in members]
             codes = [_placements_code(grads[id(i.param)].placements) if here else 0
                      for i, here in zip(members, present)]
             bits = torch.tensor([int(refused), int(scaler), digest, digest * digest, int(writers)]
                                 + [int(here) for here in present] + codes + [c * c for c in codes],
                                 dtype=torch.int64, device=device)
+            with_device_lr = device_lr_digest(groups, indices, digest, device)
+            if with_device_lr is not None:  # a capturable lr's value, folded in on the device
+                bits[2], bits[3] = with_device_lr, with_device_lr * with_device_lr
             _all_reduce_over(mesh, bits)
             sums = bits.tolist()
             if sums[0]:

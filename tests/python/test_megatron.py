@@ -21,6 +21,8 @@ def test_megatron_tp1_tp2_training_norms_scheduler_fp16_and_resume(tmp_path):
         (cases.dist_checkpoint_across_tp, (str(tmp_path / "ckpt"),)),
         (cases.normuon_tp_modes_split_qkv_and_resume, (str(tmp_path / "ckpt"),)),
         (cases.qk_clip_matches_megatron_math_at_tp2, ()),
+        (cases.qk_clip_scales_local_rows_without_tp_collectives, ()),
+        (cases.qk_clip_leaves_groups_at_or_below_the_threshold, ()),
         (cases.tp_modes_against_replayed_tp1, ()),
         (cases.qkv_split_against_hand_split_and_tp1, ()),
         (cases.blockwise_tp2_trains_like_tp1, ()),

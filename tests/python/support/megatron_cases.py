@@ -376,6 +376,80 @@ def qk_clip_matches_megatron_math_at_tp2() -> None:
         assert torch.equal(p.detach(), after["module." + n]), n
 
 
+def qk_clip_scales_local_rows_without_tp_collectives() -> None:
+    """clip_qk at TP=2 ("duplicated", BF16 + remainders) where only some ranks' query groups exceed the
+    threshold, next to negative and zero logits: every rank returns without a collective over the TP group (no
+    gather, no update_param: each scales its local master rows), only groups above the threshold are scaled
+    (eta = threshold / max logit; a group at or below it never changes, never grows). A refusal on one rank (NaN
+    logits) raises on every rank before any layer is written, and keeps the logits for a retry."""
+    import pytest
+    from megatron.core import parallel_state
+
+    from muon_ext.megatron import clip_qk
+
+    threshold, alpha = 10.0, 0.5
+    model, opt = build(2, model_kwargs=dict(heads=4, query_groups=2, qk_clip=True, qk_clip_threshold=threshold,
+                                            qk_clip_alpha=alpha), muon_tp_mode="duplicated")
+    train(model, opt, 1)
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    layers = [m for m in model.modules() if hasattr(m, "linear_qkv") and hasattr(m, "core_attention")]
+    given = [[[50.0, 20.0], [1.0, 2.0]], [[-3.0, -1.0], [0.0, 30.0]]]  # [layer][TP rank]: one query group each
+    local = [lambda m=m: opt.optimizer.get_local_master(opt.view_of(m.linear_qkv.weight)) for m in layers]
+    before = [read() for read in local]
+
+    def whole_matrix_call(*args, **kwargs):
+        raise AssertionError("clip_qk gathered or updated a whole matrix over the TP group")
+
+    inner = opt.optimizer
+    inner.gather_full_parameter_master = inner.update_param = whole_matrix_call
+    try:
+        for layer, logits in zip(layers, given):
+            layer.core_attention.current_max_attn_logits = torch.tensor(logits[rank])
+        if rank == 1:
+            layers[1].core_attention.current_max_attn_logits = torch.tensor([float("nan"), 1.0])
+        with pytest.raises(Exception, match="NaN or inf" if rank == 1 else "refused on another rank"):
+            clip_qk([model], opt)
+        assert all(torch.equal(read(), b) for read, b in zip(local, before))
+        assert all(m.core_attention.current_max_attn_logits is not None for m in layers)
+        layers[1].core_attention.current_max_attn_logits = torch.tensor(given[1][rank])
+        largest = clip_qk([model], opt)
+    finally:
+        del inner.gather_full_parameter_master, inner.update_param
+    assert largest == max(max(logits[rank]) for logits in given), largest
+    kv = layers[0].config.kv_channels
+    for k, (read, b) in enumerate(zip(local, before)):
+        want, top = b.clone(), max(given[k][rank])
+        if top > threshold:
+            eta = threshold / torch.tensor([top])
+            want[:2 * kv] *= eta ** alpha
+            want[2 * kv:3 * kv] *= eta ** (1 - alpha)
+        assert torch.equal(read(), want), (k, rank)
+        assert bool((read().abs() <= b.abs()).all())
+
+
+def qk_clip_leaves_groups_at_or_below_the_threshold() -> None:
+    """TP=1, alpha 1: a query group whose max logit is negative (eta = threshold / max would be negative, a
+    "clip" multiplying its Q rows by -2) or zero is left as it is; the group above the threshold in the same
+    layer is scaled, and every layer is written (before, alpha 0.5 raised after clipping the first layer)."""
+    from muon_ext.megatron import clip_qk
+
+    model, opt = build(1, model_kwargs=dict(query_groups=2, qk_clip=True, qk_clip_threshold=2.0, qk_clip_alpha=1.0),
+                       muon_tp_mode="blockwise")
+    train(model, opt, 1)
+    layers = [m for m in model.modules() if hasattr(m, "linear_qkv") and hasattr(m, "core_attention")]
+    weights = [opt.view_of(m.linear_qkv.weight) for m in layers]
+    before = [opt.optimizer.get_local_master(w) for w in weights]
+    layers[0].core_attention.current_max_attn_logits = torch.tensor([5.0, 0.5, 0.0, 0.0])  # group 1: max 0
+    layers[1].core_attention.current_max_attn_logits = torch.tensor([5.0, -3.0, -1.0, -2.0])  # group 1: max -1
+    clip_qk([model], opt)
+    after = [opt.optimizer.get_local_master(w) for w in weights]
+    per_group = after[0].shape[0] // 2
+    for a, b in zip(after, before):
+        assert not torch.equal(a[:per_group], b[:per_group])  # group 0 (max 5) clipped
+        assert torch.equal(a[per_group:], b[per_group:])  # group 1 left as it is
+        assert bool((a.abs() <= b.abs()).all())
+
+
 def _save(model, opt, path: str) -> None:
     import os
 
