@@ -23,15 +23,16 @@ import torch
 import torch.distributed as dist
 
 from .. import _C, ops, row_blocks
-from .._shapes import as_matrices, matrix_shape, muon_stats_shape
+from .._shapes import as_matrices, matrix_shape
 from ..amp import capturing
 from .._types import ParamInfo, is_dtensor
 from ..schema import SUPPORTED_DTYPES
 from .agreement import step_digest
 from .exchange import exchange_replicated, exchange_sharded
-from .placements import Layout, dim_indices, expected_local_shape, is_split, layout_of, local
+from .placements import Layout, dim_indices, expected_local_shape, is_split, local, matrix_layout
+from .stacks import matrices
 from .shard_group import ShardGroup, shard_group
-from .state import stats_follow_rows
+from .state import stats_follow_rows, stats_local_shape
 from .tp_polar import normuon_sharded, polar_express_sharded
 
 __all__ = ["DistributedStep", "dtensor_infos", "agree_on_checks"]
@@ -96,8 +97,7 @@ class DistributedStep:
             planner.check_params([dataclasses.replace(info, param=lp)], local_groups, {lp: local_state},
                                  all_state=all_state, reading=reading, ranges=ranges, tag=position)
             if stat is not None and groups[info.group]["beta2"] is not None:
-                want = (lp.shape[0], 1) if stats_follow_rows(p, groups[info.group]) else tuple(
-                    muon_stats_shape(p, groups[info.group]))
+                want = stats_local_shape(p, groups[info.group])
                 if stat.dtype != torch.float32 or tuple(stat.shape) != want or stat.device != lp.device \
                         or not stat.is_contiguous():
                     raise ValueError(f"{info.name}: optimizer state 'second_momentum_buffer' has local shape "
@@ -293,7 +293,9 @@ class DistributedStep:
     def _muon(self, group: dict, rows: int, cols: int, entries: List[_Entry], states, max_workspace_bytes: int,
               first: int, inv_scale, found_inf) -> None:
         view = group["matrix_view"]
-        layout: Layout = layout_of(entries[0].info.param)
+        # a stack's layout is its matrices' (docs/design.md, "Expert stacks"): the exchange runs per matrix
+        layout, shape = matrix_layout(entries[0].info.param, view)
+        stack = len(shape) < entries[0].info.param.dim()
         tensors = states.tensors
         if group["beta2"] is not None:
             for e in entries:
@@ -302,7 +304,7 @@ class DistributedStep:
         split, replicas = layout.split_dims, layout.replicate_dims
 
         def mat(t):  # the kernels' view; a rank's block of a split matrix is [local rows, local cols]
-            return t.reshape(t.shape[0], math.prod(t.shape[1:])) if split else as_matrices(t, view)
+            return t.reshape(t.shape[0], math.prod(t.shape[1:])) if split and not stack else as_matrices(t, view)
 
         moms = [mat(local(tensors[e.info.param]["momentum_buffer"])) for e in entries]
         blocks = row_blocks.of_group(group, rows)  # each block a matrix of its own (docs/design.md,
@@ -329,21 +331,25 @@ class DistributedStep:
         def orthogonalize(whole: List[torch.Tensor], whole_stats: List[torch.Tensor]) -> None:
             row_blocks.orthogonalize_blocks(blocks, whole, whole_stats, orthogonalize_matrices)
 
-        if len(split) == 1 and not replicas and group.get("split_polar", "exchange") == "gram":
+        mats, mat_stats = matrices(updates), matrices(stats)  # one 2-D view per matrix: a stack's experts one by one
+        if len(split) == 1 and not replicas and not stack and group.get("split_polar", "exchange") == "gram":
             self.bytes_sent += self._gram(group, rows, cols, entries, updates, stats, layout, blocks, found_inf)
+        elif not mats:  # a stack with no matrix here, nor on the ranks sharing its work
+            pass
         elif not split:  # replicated: the first replicate dim splits the work (any others repeat it)
-            self.bytes_sent += exchange_replicated(layout.ranks(replicas[0]), updates, stats, orthogonalize, first)
+            self.bytes_sent += exchange_replicated(layout.ranks(replicas[0]), mats, mat_stats, orthogonalize, first)
         else:
             stats_sharded = bool(stats) and stats_follow_rows(entries[0].info.param, group)
-            shards = self._shard_group(layout, tuple(entries[0].info.param.shape))
+            shards = self._shard_group(layout, shape)
 
             def in_shard_group(ups: List[torch.Tensor], sts: List[torch.Tensor]) -> int:
                 return exchange_sharded(shards, rows, cols, ups, sts, stats_sharded, orthogonalize, first)
 
             if replicas:  # HSDP (x TP): the replicas split the matrices too
-                self.bytes_sent += exchange_replicated(layout.ranks(replicas[0]), updates, stats, in_shard_group, first)
+                self.bytes_sent += exchange_replicated(layout.ranks(replicas[0]), mats, mat_stats, in_shard_group,
+                                                       first)
             else:
-                self.bytes_sent += in_shard_group(updates, stats)
+                self.bytes_sent += in_shard_group(mats, mat_stats)
         runs = [(rows, 1.0, None)]  # (matrix rows for the lr scale, block scale, local rows; None: all)
         if blocks is not None:
             mesh = entries[0].info.param.device_mesh
