@@ -14,9 +14,14 @@ config, as torchtitan's `default_adamw()` does::
         return config
 
 Groups (`LLAMA_GROUPS`, first match wins): embeddings, the output head,
-norms, biases and MoE routers to AdamW; the other weights of the
-transformer layers to Muon (grouped experts [E, out, in] as a batch of
-matrices); anything else to AdamW. Every group keeps torchtitan's
+norms, biases and MoE routers (`router.gate`) to AdamW; the other weights of
+the transformer layers to Muon: attention, dense FFNs, shared experts, and
+the routed experts' stacks (`w1_EFD`, `w2_EDF`, `w3_EFD`: `[E, out, in]`)
+under `matrix_view="batch"`, each expert its own matrix, also when FSDP or
+expert parallelism splits the stack (docs/design.md, "Expert stacks");
+anything else to AdamW. torchtitan's MoE load balancing (the optimizer
+step pre-hook that moves `expert_bias_E`, registered by the model's
+`post_optimizer_build_fn`) runs on the container as with its own optimizers. Every group keeps torchtitan's
 `param_names` (its checkpointer keys state by FQN) and `fused` / `foreach`
 are accepted (MuonAdamW has one implementation). torchtitan's checkpointer
 saves and resumes the container (tests/python/test_torchtitan.py). DTensor
@@ -49,7 +54,7 @@ LLAMA_GROUPS: Tuple[Tuple[str, str], ...] = (
     (r"norm", "adamw"),
     (r"\.bias$", "adamw"),
     (r"(^|\.)(router|gate)\.", "adamw"),
-    (r"^layers\.\d+\..*(weight|w1|w2|w3)$", "muon"),
+    (r"^layers\.\d+\..*(weight|w[123](_[A-Z]+)?)$", "muon"),  # w1_EFD: 0.3.0's routed experts [E, F, D]
     (r".*", "adamw"),
 )
 

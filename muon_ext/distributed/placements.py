@@ -10,6 +10,13 @@ the mesh dims, `_StridedShard`'s interleaving), replayed here on index vectors
 rows and columns of a matrix that rank holds. Splitting one tensor dim only
 selects along that dim, so a rank's part is the product of one index set per
 dim (a block, possibly with interleaved rows).
+
+A stack of matrices under `matrix_view="batch"` (`[E, rows, cols]`, MoE
+experts) is E matrices: `matrix_layout` gives the layout of each of them on a
+rank. A mesh dim that splits a leading (batch) dim makes its ranks hold
+different matrices (expert or FSDP `Shard(0)`: never exchanged over); one
+that splits the rows or the columns splits every matrix (expert TP). See
+docs/design.md, "Expert stacks".
 """
 
 from __future__ import annotations
@@ -20,8 +27,8 @@ import torch
 
 from .._types import is_dtensor
 
-__all__ = ["Layout", "Ranks", "check_param", "layout_of", "local", "holds_full", "is_split", "dim_indices",
-           "expected_local_shape", "IndexSet", "index_set"]
+__all__ = ["Layout", "Ranks", "check_param", "layout_of", "matrix_layout", "is_stack", "local", "holds_full",
+           "is_split", "dim_indices", "expected_local_shape", "IndexSet", "index_set"]
 
 # A set of global indices along one dim: a slice where they are consecutive (the common case), else a LongTensor.
 IndexSet = Union[slice, torch.Tensor]
@@ -47,10 +54,13 @@ class Layout(NamedTuple):
     """A DTensor param's mesh and placements. `split_dims`: the mesh dims of
     more than one rank whose placement splits the tensor (their ranks hold
     different parts: the shard group); `replicate_dims`: those of more than one
-    rank that replicate it (their ranks hold the same part)."""
+    rank that replicate it (their ranks hold the same part); `independent`:
+    mesh dims whose ranks hold different matrices of a stack (`matrix_layout`;
+    their placement reads Replicate(), they count as neither)."""
 
     mesh: object  # torch.distributed.device_mesh.DeviceMesh
     placements: Tuple
+    independent: Tuple[int, ...] = ()
 
     @property
     def split_dims(self) -> Tuple[int, ...]:
@@ -58,7 +68,8 @@ class Layout(NamedTuple):
 
     @property
     def replicate_dims(self) -> Tuple[int, ...]:
-        return tuple(d for d, pl in enumerate(self.placements) if pl.is_replicate() and self.mesh.size(d) > 1)
+        return tuple(d for d, pl in enumerate(self.placements)
+                     if pl.is_replicate() and self.mesh.size(d) > 1 and d not in self.independent)
 
     def ranks(self, dim: int) -> Ranks:
         group = self.mesh.get_group(dim)
@@ -77,9 +88,41 @@ def layout_of(p) -> Layout:
     return Layout(p.device_mesh, tuple(p.placements))
 
 
+def is_stack(p, matrix_view: str) -> bool:
+    """Whether the Muon param `p` is a stack of matrices (rank > 2 under `matrix_view="batch"`)."""
+    return p.dim() > 2 and matrix_view == "batch"
+
+
+def matrix_layout(p, matrix_view: str) -> Tuple[Layout, Tuple[int, ...]]:
+    """(layout, shape) of what the Muon exchange of the DTensor param `p` sees:
+    `layout_of(p)` and `p.shape`, except for a stack (`is_stack`), where each
+    matrix (rows, cols) is placed by the splits of the last two dims (as
+    `Shard(0)` / `Shard(1)`, `_StridedShard` kept) and the mesh dims that split a
+    leading dim are `independent`: their ranks hold other matrices."""
+    if not is_stack(p, matrix_view):
+        return layout_of(p), tuple(p.shape)
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    lead = p.dim() - 2
+    placements, independent = [], []
+    for mesh_dim, pl in enumerate(p.placements):
+        if not is_split(pl):
+            placements.append(pl)
+        elif pl.dim < lead:
+            placements.append(Replicate())
+            independent.append(mesh_dim)
+        elif isinstance(pl, _StridedShard):
+            placements.append(_StridedShard(pl.dim - lead, split_factor=pl.split_factor))
+        else:
+            placements.append(Shard(pl.dim - lead))
+    return Layout(p.device_mesh, tuple(placements), tuple(independent)), tuple(p.shape[-2:])
+
+
 def check_param(p, where: str, kind: str, matrix_view: str) -> None:
     """Raises TypeError, naming `where` and the placements, unless the DTensor
-    param `p` has a layout the optimizer steps correctly."""
+    param `p` has a layout the optimizer steps correctly (a stack of matrices
+    under `matrix_view="batch"` may be split on any dim: `matrix_layout`)."""
     placements = tuple(p.placements)
     for pl in placements:
         if not (pl.is_replicate() or is_split(pl)):
@@ -88,10 +131,6 @@ def check_param(p, where: str, kind: str, matrix_view: str) -> None:
                             "value); supported are Replicate(), Shard(d) and _StridedShard(d) on any mesh dims")
     if p.dim() == 0:
         raise TypeError(f"{where} is a 0-dim DTensor; a scalar param cannot be sharded, use a plain tensor")
-    split = any(is_split(pl) for pl in placements)
-    if kind == "muon" and p.dim() > 2 and matrix_view == "batch" and split:
-        raise TypeError(f"{where} is a DTensor with placements {placements} under matrix_view='batch': a split "
-                        "would cut the batch of matrices or each matrix; replicate it or use 'flatten'")
 
 
 def dim_indices(size: int, tensor_dim: int, mesh_shape, placements, coordinate) -> torch.Tensor:

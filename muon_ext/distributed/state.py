@@ -6,8 +6,10 @@ NorMuon's second moment of a matrix with rows >= cols is (rows, 1): one
 statistic per row, split like the param's dim 0 and replicated over the mesh
 dims that split other dims (so each rank holds its rows' statistics). With rows < cols it is
 (1, cols) and replicated: every rank holds the whole vector and the owner of
-the matrix sends its update to all of them (exchange.py). Both reshard
-correctly under torch.distributed.checkpoint.
+the matrix sends its update to all of them (exchange.py). A stack of
+matrices (`matrix_view="batch"`, `[E, rows, cols]`) has `[E, rows, 1]` or
+`[E, 1, cols]` statistics whose leading dims keep the param's splits (each
+rank holds its experts'). All reshard correctly under torch.distributed.checkpoint.
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ import torch
 
 from .._types import ParamInfo, is_dtensor
 from .. import ops
-from .._shapes import matrix_shape, stats_per_row
+from .._shapes import matrix_shape, muon_stats_shape, stats_per_row
 from .placements import is_split, layout_of, local
 
-__all__ = ["zeros", "wrap", "check_values", "stats_follow_rows"]
+__all__ = ["zeros", "wrap", "check_values", "stats_follow_rows", "stats_local_shape"]
 
 
 def stats_follow_rows(p, group: dict) -> bool:
@@ -31,24 +33,42 @@ def stats_follow_rows(p, group: dict) -> bool:
     return stats_per_row(rows, cols) and group.get("row_blocks") is None
 
 
+def _placements(p, shape, like_param: bool, rows_only: bool) -> tuple:
+    """The placements `zeros` gives a state tensor of global `shape` (see there)."""
+    from torch.distributed.tensor import Replicate
+
+    placements = layout_of(p).placements
+    if like_param and not rows_only:
+        return tuple(placements)
+    # NorMuon statistics ([..., rows, 1] or [..., 1, cols]): the leading dims, and the rows of per-row statistics,
+    # are the param's (only under the batch view has the state the param's rank with leading dims)
+    kept = len(shape) - (1 if like_param else 2) if rows_only else 0
+    return tuple(pl if is_split(pl) and pl.dim < kept else Replicate() for pl in placements)
+
+
+def stats_local_shape(p, group: dict) -> tuple:
+    """This rank's local shape of the Muon param `p`'s NorMuon statistics (placed as `zeros` places them)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape = muon_stats_shape(p, group)
+    placements = _placements(p, shape, stats_follow_rows(p, group), True)
+    return tuple(compute_local_shape_and_global_offset(shape, p.device_mesh, placements, skip_offset=True)[0])
+
+
 def zeros(p, shape, dtype: torch.dtype, like_param: bool = True, rows_only: bool = False):
     """A zero DTensor of global `shape` on `p`'s mesh: placed like `p` where
-    `like_param` (param-shaped state), with only the splits of `p`'s dim 0 where
-    also `rows_only` (NorMuon's (rows, 1) statistics: each rank holds its
-    rows'), replicated otherwise."""
-    from torch.distributed.tensor import DTensor, Replicate
+    `like_param` (param-shaped state); where `rows_only` (NorMuon's statistics),
+    with the splits of `p`'s rows dim where also `like_param` (per-row
+    statistics: each rank holds its rows') and of a stack's leading dims (each
+    rank holds its matrices'); replicated otherwise."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     shape = tuple(shape)
     layout = layout_of(p)
     lp = local(p)
-    if like_param and not rows_only:
-        placements, local_shape = layout.placements, tuple(lp.shape)
-    elif like_param:
-        placements = tuple(pl if is_split(pl) and pl.dim == 0 else Replicate() for pl in layout.placements)
-        local_shape = tuple(lp.shape[:1]) + shape[1:]
-    else:
-        placements = (Replicate(),) * layout.mesh.ndim
-        local_shape = shape
+    placements = _placements(p, shape, like_param, rows_only)
+    local_shape = tuple(compute_local_shape_and_global_offset(shape, layout.mesh, placements, skip_offset=True)[0])
     t = torch.zeros(local_shape, dtype=dtype, device=lp.device)
     return DTensor.from_local(t, layout.mesh, placements, run_check=False, shape=torch.Size(shape),
                               stride=torch.empty(shape, device="meta").stride())

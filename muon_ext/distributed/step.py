@@ -23,16 +23,17 @@ import torch
 import torch.distributed as dist
 
 from .. import _C, op_arguments, ops, row_blocks
-from .._shapes import as_matrices, matrix_shape, muon_stats_shape
+from .._shapes import as_matrices, matrix_shape
 from ..amp import capturing
 from .._types import Bucket, ParamInfo, WorkItem, is_dtensor
 from ..buckets import PlannedItem
 from ..schema import SUPPORTED_DTYPES
 from .agreement import device_lr_digest, step_digest
 from .exchange import exchange_replicated, exchange_sharded
-from .placements import Layout, dim_indices, expected_local_shape, is_split, layout_of, local
+from .placements import Layout, dim_indices, expected_local_shape, is_split, layout_of, local, matrix_layout
+from .stacks import matrices
 from .shard_group import ShardGroup, shard_group
-from .state import stats_follow_rows
+from .state import stats_follow_rows, stats_local_shape
 from .tp_polar import NormuonShard, ShardedBatch, normuon_sharded, polar_express_shards
 
 __all__ = ["DistributedStep", "dtensor_infos", "agree_on_checks"]
@@ -97,8 +98,7 @@ class DistributedStep:
             planner.check_params([dataclasses.replace(info, param=lp)], local_groups, {lp: local_state},
                                  all_state=all_state, reading=reading, ranges=ranges, tag=position)
             if stat is not None and groups[info.group]["beta2"] is not None:
-                want = (lp.shape[0], 1) if stats_follow_rows(p, groups[info.group]) else tuple(
-                    muon_stats_shape(p, groups[info.group]))
+                want = stats_local_shape(p, groups[info.group])
                 if stat.dtype != torch.float32 or tuple(stat.shape) != want or stat.device != lp.device \
                         or not stat.is_contiguous():
                     raise ValueError(f"{info.name}: optimizer state 'second_momentum_buffer' has local shape "
@@ -261,27 +261,31 @@ class DistributedStep:
         first = 0  # the owner of each exchange group's first matrix: rotates, so that small groups spread out
         in_place: Dict[Tuple, List[MuonMatrices]] = {}  # (mesh, mesh dim) -> matrices split there, in order
         for (gi, rows, cols, _, _), entries in muon:
-            group, layout = groups[gi], layout_of(entries[0].info.param)
+            group, p = groups[gi], entries[0].info.param
+            # a stack's layout is its matrices' (docs/design.md, "Expert stacks"): a split of the batch dim
+            # leaves whole matrices on each rank
+            layout, shape = matrix_layout(p, group["matrix_view"])
+            stack = len(shape) < p.dim()
             bucket = Bucket(gi, "muon", [e.info.param for e in entries])
             blocks = row_blocks.of_group(group, rows)  # each block a matrix of its own (docs/design.md,
             # "Row blocks"): cut at the owners' orthogonalization and at phase 3, on the rows each rank holds
-            matrices = MuonMatrices(group, rows, cols, entries, blocks)
+            same_shape = MuonMatrices(group, rows, cols, entries, blocks, stack)
             if not layout.split_dims and not layout.replicate_dims:  # every matrix whole, no one to share with
                 items += _local_items(bucket, group, entries, tensors, _MUON_KEYS, blocks)
-            elif len(layout.split_dims) == 1 and not layout.replicate_dims and \
+            elif len(layout.split_dims) == 1 and not layout.replicate_dims and not stack and \
                     group.get("split_polar", "exchange") == "gram":
                 key = (layout.mesh, layout.split_dims[0])
                 if key not in in_place:  # one item for all of them, where the first of them is
                     in_place[key] = WorkItem(bucket, group, [], [], None, [], InPlaceExchange(self, []))
                     items.append(PlannedItem(in_place[key], {}, None))
                 item = in_place[key]  # its lists grow: it steps (and versions) every matrix its exchange lists
-                item.exchange.matrices.append(matrices)
+                item.exchange.matrices.append(same_shape)
                 item.params.extend(e.param for e in entries)
                 item.grads.extend(e.grad for e in entries)
                 item.dtensors.extend(e.info.param for e in entries)
             else:
                 item = WorkItem(bucket, group, [e.param for e in entries], [e.grad for e in entries], blocks,
-                                [e.info.param for e in entries], MuonExchange(self, matrices, first))
+                                [e.info.param for e in entries], MuonExchange(self, same_shape, first))
                 items.append(PlannedItem(item, {}, None))
             first += len(entries)
         return items
@@ -299,10 +303,12 @@ class DistributedStep:
             for e in entries:
                 if "second_momentum_buffer" not in tensors[e.info.param]:  # beta2 switched on after construction
                     states.init(e.info, group)
-        split, view = layout_of(entries[0].info.param).split_dims, group["matrix_view"]
+        view = group["matrix_view"]
+        split = layout_of(entries[0].info.param).split_dims
+        stack = sub.stack
 
         def mat(t):  # the kernels' view; a rank's block of a split matrix is [local rows, local cols]
-            return t.reshape(t.shape[0], math.prod(t.shape[1:])) if split else as_matrices(t, view)
+            return t.reshape(t.shape[0], math.prod(t.shape[1:])) if split and not stack else as_matrices(t, view)
 
         moms = [mat(local(tensors[e.info.param]["momentum_buffer"])) for e in entries]
         updates = [m.new_empty(m.shape) for m in moms]
@@ -337,8 +343,9 @@ class DistributedStep:
               found_inf) -> None:
         """Muon on matrices split or replicated over their mesh: phase 1 on the local rows, phase 2 where each
         matrix is whole (its owner, by the exchange), phase 3 on the local rows."""
-        group, rows, cols, entries, blocks = sub
-        layout: Layout = layout_of(entries[0].info.param)
+        group, rows, cols, entries, blocks = sub[:5]
+        # a stack's layout is its matrices' (docs/design.md, "Expert stacks"): the exchange runs per matrix
+        layout, shape = matrix_layout(entries[0].info.param, group["matrix_view"])
         mat, updates, stats = self._momentum(sub, states, inv_scale, found_inf)
         split, replicas = layout.split_dims, layout.replicate_dims
 
@@ -350,19 +357,23 @@ class DistributedStep:
         def orthogonalize(whole: List[torch.Tensor], whole_stats: List[torch.Tensor]) -> None:
             row_blocks.orthogonalize_blocks(blocks, whole, whole_stats, orthogonalize_matrices)
 
-        if not split:  # replicated: the first replicate dim splits the work (any others repeat it)
-            self.bytes_sent += exchange_replicated(layout.ranks(replicas[0]), updates, stats, orthogonalize, first)
+        mats, mat_stats = matrices(updates), matrices(stats)  # one 2-D view per matrix: a stack's experts one by one
+        if not mats:  # a stack with no matrix here, nor on the ranks sharing its work
+            pass
+        elif not split:  # replicated: the first replicate dim splits the work (any others repeat it)
+            self.bytes_sent += exchange_replicated(layout.ranks(replicas[0]), mats, mat_stats, orthogonalize, first)
         else:
             stats_sharded = bool(stats) and stats_follow_rows(entries[0].info.param, group)
-            shards = self._shard_group(layout, tuple(entries[0].info.param.shape))
+            shards = self._shard_group(layout, shape)
 
             def in_shard_group(ups: List[torch.Tensor], sts: List[torch.Tensor]) -> int:
                 return exchange_sharded(shards, rows, cols, ups, sts, stats_sharded, orthogonalize, first)
 
             if replicas:  # HSDP (x TP): the replicas split the matrices too
-                self.bytes_sent += exchange_replicated(layout.ranks(replicas[0]), updates, stats, in_shard_group, first)
+                self.bytes_sent += exchange_replicated(layout.ranks(replicas[0]), mats, mat_stats, in_shard_group,
+                                                       first)
             else:
-                self.bytes_sent += in_shard_group(updates, stats)
+                self.bytes_sent += in_shard_group(mats, mat_stats)
         self._apply(sub, mat, updates, states.tensors, found_inf)
 
     def _muon_in_place(self, subs: List["MuonMatrices"], states, inv_scale, found_inf) -> None:
@@ -379,7 +390,7 @@ class DistributedStep:
         mesh_shape, coordinate = tuple(layout.mesh.mesh.shape), layout.mesh.get_coordinate()
         batches, normuon, written = [], [], []
         for sub, (_, updates, stats) in zip(subs, phase1):
-            group, rows, cols, entries, blocks = sub
+            group, rows, cols, entries, blocks = sub[:5]
             p = entries[0].info.param
             shard_dim = 0 if p.placements[mesh_dim].dim == 0 else 1
             held = dim_indices(rows, 0, mesh_shape, p.placements, coordinate) if shard_dim == 0 else \
@@ -413,13 +424,15 @@ _MUON_KEYS = ("momentum_buffer", "second_momentum_buffer")
 
 
 class MuonMatrices(NamedTuple):
-    """A Muon group's same-shape DTensor matrices with one layout, as an exchange takes them."""
+    """A Muon group's same-shape DTensor matrices with one layout, as an exchange takes them; `stack`: the
+    params are stacks of matrices (matrix_view="batch"), each placed as the stack's layout says."""
 
     group: dict
     rows: int
     cols: int
     entries: List[_Entry]
     blocks: object  # row_blocks.RowBlocks or None
+    stack: bool = False
 
 
 class MuonExchange(NamedTuple):

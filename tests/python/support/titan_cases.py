@@ -53,17 +53,25 @@ def single_process(rank, world, folder):
     trainer.close()
     torch.save({"params": params, "muon": muon, "adamw": adamw}, os.path.join(folder, "single.pt"))
 
+    trainer = resume_exactly(folder, lambda out: titan_cpu.llama3_config(
+        assets, out, optimizer="muon", steps=STEPS, checkpoint_interval=100), muon, params)
+    trainer.close()
+
+
+def resume_exactly(folder, make_config, losses, params):
+    """torchtitan resumed (`make_config(out)`) from the step-SAVE_AT checkpoint of the run under
+    folder/muon, whose `losses` (steps 1..STEPS) and final `params` it must end on exactly; returns its trainer."""
     resumed_out = os.path.join(folder, "resumed")
     shutil.copytree(os.path.join(folder, "muon", "checkpoint", f"step-{SAVE_AT}"),
                     os.path.join(resumed_out, "checkpoint", f"step-{SAVE_AT}"))
-    config = titan_cpu.llama3_config(assets, resumed_out, optimizer="muon", steps=STEPS, checkpoint_interval=100)
+    config = make_config(resumed_out)
     config.checkpoint.load_step = SAVE_AT
-    trainer, losses = titan_cpu.train(config)
-    assert sorted(losses) == list(range(SAVE_AT + 1, STEPS + 1)), sorted(losses)
-    assert [losses[s] for s in sorted(losses)] == muon[SAVE_AT:], (losses, muon)
+    trainer, resumed = titan_cpu.train(config)
+    assert sorted(resumed) == list(range(SAVE_AT + 1, STEPS + 1)), sorted(resumed)
+    assert [resumed[s] for s in sorted(resumed)] == losses[SAVE_AT:], (resumed, losses)
     for name, value in titan_cpu.full_params(trainer).items():
         assert torch.equal(value, params[name]), f"resumed {name}"
-    trainer.close()
+    return trainer
 
 
 def parallel(rank, world, folder):

@@ -127,11 +127,59 @@ def llama3_config(assets: dict, out: str, *, optimizer: str, steps: int, dp_shar
     `checkpoint_interval` steps under `out` (0: none)."""
     from torchtitan.models.llama3.config_registry import llama3_debugmodel
 
-    from muon_ext.torchtitan import muon_adamw
-
     config = llama3_debugmodel()
     model = config.model_spec.model
     model.layers = model.layers[:layers]
+    return _small(config, assets, out, optimizer=optimizer, steps=steps, dp_shard=dp_shard, tp=tp, seq_len=seq_len,
+                  batch=batch, checkpoint_interval=checkpoint_interval, initial_load_path=initial_load_path)
+
+
+def qwen3_moe_config(assets: dict, out: str, *, optimizer: str, steps: int, dp_shard: int = 1, ep: int = 1,
+                     experts: int = 4, seq_len: int = 64, batch: int = 2, checkpoint_interval: int = 0,
+                     initial_load_path: str = ""):
+    """torchtitan's qwen3 MoE debug recipe (`qwen3_moe_debug`: routed experts
+    `[E, out, in]` through `torch._grouped_mm`, a top-k router, the
+    load-balancing expert bias), its model made small for a CPU: 2 layers of
+    dim 64, `experts` routed experts (top 2) of hidden size 32, plus a shared
+    expert FFN (as deepseek_v3 has); FSDP `dp_shard` x EP `ep`. Otherwise as
+    `llama3_config`."""
+    import dataclasses
+
+    import torchtitan.models.qwen3 as qwen3
+    from torchtitan.models.common import Embedding, Linear
+    from torchtitan.models.common.config_utils import make_ffn_config
+    from torchtitan.models.common.rope import CosSinRoPE
+    from torchtitan.models.qwen3.config_registry import qwen3_moe_debug
+
+    dim, head_dim, vocab = 64, 16, 512
+    layers = qwen3._build_qwen3_moe_layers(
+        fuse_qkv=True, n_layers=2, dim=dim, n_heads=4, n_kv_heads=2, head_dim=head_dim, moe_hidden_dim=32,
+        num_experts=experts, top_k=2, attn_backend="flex", moe_comm_backend="standard",
+        rope=CosSinRoPE.Config(dim=head_dim, max_seq_len=4 * seq_len, theta=1000000.0))
+    for layer in layers:
+        layer.moe.shared_experts = make_ffn_config(dim=dim, hidden_dim=32, w1_param_init=qwen3._LINEAR_INIT,
+                                                   w2w3_param_init=qwen3._LINEAR_INIT)
+    model = qwen3.Qwen3Model.Config(
+        vocab_size=vocab, dim=dim, norm=qwen3._qwen3_norm(dim), layers=layers,
+        tok_embeddings=Embedding.Config(num_embeddings=vocab, embedding_dim=dim, param_init=qwen3._EMBEDDING_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=vocab, param_init=qwen3._LINEAR_INIT))
+    config = qwen3_moe_debug()
+    config.model_spec = dataclasses.replace(config.model_spec, model=model)
+    config.loss.loss_fn.global_vocab_size = vocab
+    config.activation_checkpoint = None  # none: nothing to save on a CPU
+    config.parallelism.expert_parallel_degree = ep
+    config.training.disable_cuda_graphs = True  # a CPU has none; EP's all-to-all dispatcher syncs with the host
+    if ep > 1:  # 0.3.0's default "spmd_types" backend refuses its own EP x FSDP meshes in fully_shard (torch 2.14:
+        config.parallelism.spmd_backend = "partial_dtensor"  # "Expected param's DTensor mesh to be the same mesh")
+    config.checkpoint.export_dtype = "float32"
+    return _small(config, assets, out, optimizer=optimizer, steps=steps, dp_shard=dp_shard, tp=1, seq_len=seq_len,
+                  batch=batch, checkpoint_interval=checkpoint_interval, initial_load_path=initial_load_path)
+
+
+def _small(config, assets: dict, out: str, *, optimizer: str, steps: int, dp_shard: int, tp: int, seq_len: int,
+           batch: int, checkpoint_interval: int, initial_load_path: str):
+    from muon_ext.torchtitan import muon_adamw
+
     config.hf_assets_path = assets["tokenizer"]
     config.dataloader.dataset_path = assets["data"]
     config.dump_folder = out
