@@ -13,7 +13,7 @@ check again what was checked here.
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Mapping, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Mapping, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -81,6 +81,9 @@ class StepPlanner:
         # False when the state lives off the params' device (offload="cpu"):
         # muon_ext.offload checks those entries; params and grads are checked here.
         self.state_rules = True
+        # Under data-parallel ownership (distributed/ownership.py): whether this rank steps a plain param;
+        # the others' are stepped by their owners and arrive after the step. None: every param.
+        self.owns: Optional[Callable[[torch.Tensor], bool]] = None
 
     def invalidate(self) -> None:
         """Re-bucket at the next plan."""
@@ -202,6 +205,8 @@ class StepPlanner:
                 p, group = info.param, groups[info.group]
                 if is_dtensor(p):
                     continue  # stepped by distributed/step.py, on local tensors
+                if self.owns is not None and not self.owns(p):
+                    continue  # stepped by its owner rank
                 self._check_master_mode(info)
                 if p.numel() == 0:
                     empty.append(info)  # nothing to update; the kernels refuse zero-sized matrices
