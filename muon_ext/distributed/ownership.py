@@ -14,6 +14,7 @@ settings agreed before any rank writes) and one all_gather per param dtype.
 
 from __future__ import annotations
 
+import heapq
 import zlib
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
 
@@ -39,10 +40,13 @@ def assign_owners(costs: Sequence[float], loads: List[float]) -> List[int]:
     the least load so far (ties to the lowest rank); `loads` (one per rank) is updated. Deterministic: every
     rank computes the same owners from the same costs."""
     owners = [0] * len(costs)
+    heap = [(load, rank) for rank, load in enumerate(loads)]  # (load, rank): the least loaded, lowest rank first
+    heapq.heapify(heap)
     for i in sorted(range(len(costs)), key=lambda k: (-costs[k], k)):
-        rank = min(range(len(loads)), key=lambda r: (loads[r], r))
+        load, rank = heapq.heappop(heap)
         owners[i] = rank
-        loads[rank] += costs[i]
+        loads[rank] = load + costs[i]
+        heapq.heappush(heap, (loads[rank], rank))
     return owners
 
 
