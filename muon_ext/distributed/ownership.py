@@ -81,6 +81,11 @@ class Ownership:
         self.owners: Dict[int, int] = {}  # id(param) -> owner's rank in the group
         self._loads = {"muon": [0.0] * self.world, "adamw": [0.0] * self.world}
         self._plan_digest = 0
+        self.bytes_sent = 0  # by share (all steps): the measure the benchmarks report
+
+    def polar_loads(self) -> List[float]:
+        """Polar-Express FLOPs per step assigned to each rank (the plan's Muon balance)."""
+        return list(self._loads["muon"])
 
     # -- the plan ------------------------------------------------------------
 
@@ -162,7 +167,7 @@ class Ownership:
                 mine[:flat.numel()].copy_(flat)
             gathered = torch.empty(size * self.world, dtype=dtype, device=device)
             dist.all_gather_into_tensor(gathered, mine, group=self.group)
-            sent += mine.numel() * mine.element_size()
+            sent += mine.numel() * mine.element_size() * (self.world - 1)  # to every other rank (a ring's total)
             for r, share in enumerate(shares):
                 if r == self.rank or not share:
                     continue
@@ -170,6 +175,7 @@ class Ownership:
                 for p in share:
                     p.data.view(-1).copy_(gathered[at:at + p.numel()])
                     at += p.numel()
+        self.bytes_sent += sent
         return sent
 
     def broadcast_from_owner(self, tensor: torch.Tensor, param) -> None:
