@@ -19,7 +19,7 @@ import torch
 from ._shapes import muon_stats_shape, stats_layout_error
 from ._types import ParamInfo, is_dtensor
 from .loaded_masters import load_master, load_remainder
-from .schema import check_hyper, check_lr_value
+from .schema import check_hyper, check_lr_value, rename_legacy_keys
 from .state import OptimizerState
 from .writers import is_quantized, storage_held
 
@@ -109,6 +109,7 @@ def check_state_dict(groups: List[dict], states: OptimizerState, saved_dict: dic
         if isinstance(saved.get("lr"), torch.Tensor) and group["params"]:
             # A tensor lr saved on another device (a capturable run, another rank) lands on this group's.
             saved["lr"] = saved["lr"].detach().to(group["params"][0].device, torch.float32)
+        rename_legacy_keys(f"load_state_dict: param group {gi}: ", saved)  # saved by an earlier version
         merged = dict(group, **{k: v for k, v in saved.items() if k != "params"})
         merged_groups.append(merged)
         check_hyper(gi, merged)

@@ -17,7 +17,7 @@ from typing import Callable, Iterable, List, Optional
 
 import torch
 
-from . import adapters as adapter_loader
+from . import entry_points
 from . import checkpoint, ops, schema, writers
 from ._types import ParamInfo, is_dtensor
 from .amp import GradScalerInputs, capturing, device_lr
@@ -115,7 +115,7 @@ class MuonAdamW(torch.optim.Optimizer):
             raise TypeError(f"adapters must be True or False, got {adapters!r}")
         super().__init__(groups, defaults={})
         if adapters:
-            adapter_loader.bind_installed(self)
+            entry_points.bind_installed(self)
 
     def __getstate__(self) -> dict:
         if any(info.writer is not None and not info.writer.default for info in self._states.infos.values()):

@@ -274,7 +274,7 @@ class DistributedStep:
             if not layout.split_dims and not layout.replicate_dims:  # every matrix whole, no one to share with
                 items += _local_items(bucket, group, entries, tensors, _MUON_KEYS, blocks)
             elif len(layout.split_dims) == 1 and not layout.replicate_dims and not stack and \
-                    group.get("split_polar", "exchange") == "gram":
+                    group.get("split_matrices", "gather") == "in_place":
                 key = (layout.mesh, layout.split_dims[0])
                 if key not in in_place:  # one item for all of them, where the first of them is
                     in_place[key] = WorkItem(bucket, group, [], [], None, [], InPlaceExchange(self, []))
@@ -378,7 +378,7 @@ class DistributedStep:
         self._apply(sub, mat, updates, states.tensors, found_inf)
 
     def _muon_in_place(self, subs: List["MuonMatrices"], states, inv_scale, found_inf) -> None:
-        """split_polar="gram": every matrix (every row block) of `subs`, all split over one mesh dim,
+        """split_matrices="in_place": every matrix (every row block) of `subs`, all split over one mesh dim,
         orthogonalized where it lies, then NorMuon with the whole matrix's statistics: no rank gathers a matrix
         (docs/design.md, "Split matrices orthogonalized in place"). The collectives of all of them are joined
         (tp_polar.py): ns_steps + 2 all_reduces per step, whatever the number of matrices and groups."""
@@ -450,7 +450,7 @@ class MuonExchange(NamedTuple):
 
 
 class InPlaceExchange(NamedTuple):
-    """No rows travel (WorkItem.exchange for split_polar="gram"): every matrix split over one mesh dim is
+    """No rows travel (WorkItem.exchange for split_matrices="in_place"): every matrix split over one mesh dim is
     orthogonalized on its shards by Gram all_reduces, all of the step's such matrices together, by
     `DistributedStep._muon_in_place`."""
 

@@ -70,7 +70,7 @@ class MegatronMuonAdamW(MegatronOptimizer):
         and V matrices, each with its own update factor (row_block_scales)."""
         muon_settings = cfg.muon_settings(config, beta2, ns_coefficients)
         if self.tp_mode == "distributed":  # TP-split matrices orthogonalized in place by Gram all_reduces
-            muon_settings["split_polar"] = "gram"
+            muon_settings["split_matrices"] = "in_place"
         adamw_settings = cfg.adamw_settings(config)
         inner = []
         for index, group in enumerate(self._megatron_groups):
