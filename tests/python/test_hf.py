@@ -75,6 +75,20 @@ def test_param_groups_for_a_llama():
     assert moe[0]["param_names"] == ["w1.weight"] and moe[1]["param_names"] == ["block_sparse_moe.gate.weight"]
 
 
+def test_one_learning_rate_from_training_arguments(tmp_path):
+    """docs/guide.md, "One learning rate": without `lr`, TrainingArguments'
+    learning_rate and weight_decay serve both kinds, Muon scaled to AdamW's
+    update RMS; with `lr`, Muon keeps its own (the two-lr form)."""
+    args = _args(tmp_path, weight_decay=0.05)
+    muon, adamw = create_optimizer(tiny_llama(tie=False), args).param_groups
+    assert (muon["lr"], muon["weight_decay"], muon["lr_scale"]) == (3e-3, 0.05, "match_rms_adamw")
+    assert (adamw["lr"], adamw["weight_decay"]) == (3e-3, 0.05)
+    muon, adamw = create_optimizer(tiny_llama(tie=False), args, lr=0.02).param_groups
+    assert (muon["lr"], muon["weight_decay"], muon["lr_scale"], adamw["lr"]) == (0.02, 0.1, "original", 3e-3)
+    muon, adamw = MuonAdamWFactory()(tiny_llama(tie=False), lr=1e-3).param_groups  # one lr, no TrainingArguments
+    assert (muon["lr"], muon["lr_scale"], adamw["lr"]) == (1e-3, "match_rms_adamw", 1e-3)
+
+
 def test_trainer_trains_and_resumes_exactly(tmp_path):
     """MuonTrainer: 20 steps, the loss falls; a run resumed from its step-10
     checkpoint (model, MuonAdamW state, scheduler, RNG, data position) ends on
