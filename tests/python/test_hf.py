@@ -9,6 +9,7 @@ import torch
 transformers = pytest.importorskip("transformers", reason="needs transformers: pip install '.[hf]'")
 pytest.importorskip("accelerate", reason="Trainer needs accelerate: pip install '.[hf]'")
 
+import importlib.util  # noqa: E402
 import pathlib  # noqa: E402
 import sys  # noqa: E402
 
@@ -138,3 +139,17 @@ def test_factory_and_ready_optimizer_forms(tmp_path):
         finals.append([p.detach().clone() for p in model.parameters()])
     for other in finals[1:]:
         assert all(torch.equal(a, b) for a, b in zip(finals[0], other))
+
+
+def test_example_compares_both_optimizers(tmp_path):
+    """examples/train_hf.py --compare, a few steps of a tiny model: both runs recorded, both held-out losses,
+    the plot written."""
+    import train_hf
+
+    runs, held_out = train_hf.main(["--compare", "--steps", "3", "--hidden", "16", "--batch", "4",
+                                    "--plot", str(tmp_path / "loss.png")])
+    assert set(runs) == set(held_out) == {"MuonAdamW", "Trainer AdamW"}
+    for records in runs.values():
+        assert [r["step"] for r in records] == [1, 2, 3] and all(r["seconds"] > 0 for r in records)
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "loss.png").stat().st_size > 1000
