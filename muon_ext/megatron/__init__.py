@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-from .config import TP_MODES, check_config
+from .config import MATCH_RMS_ADAMW, TP_MODES, check_config
 
-__all__ = ["get_megatron_muon_optimizer", "clip_qk", "TP_MODES"]
+__all__ = ["get_megatron_muon_optimizer", "clip_qk", "TP_MODES", "MATCH_RMS_ADAMW"]
 
 
 def get_megatron_muon_optimizer(

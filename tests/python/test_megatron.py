@@ -66,3 +66,18 @@ def test_unsupported_configs_are_refused_before_anything_is_built(field, value, 
     setattr(config, field, value)
     with pytest.raises(ValueError, match=match):
         get_megatron_muon_optimizer(config, [])  # no model, no process group: refused first
+
+
+def test_match_rms_adamw_fields_scale_muon_updates_to_adamw_rms():
+    """muon_ext.megatron.MATCH_RMS_ADAMW (docs/megatron.md, "One learning rate"): Megatron's
+    spectral scale times 0.2, the factor of MuonAdamW's lr_scale="match_rms_adamw"."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    from muon_ext.megatron import MATCH_RMS_ADAMW
+    from muon_ext.megatron.config import check_config, muon_scale
+
+    config = OptimizerConfig(optimizer="adam", lr=3e-3, bf16=True, **MATCH_RMS_ADAMW)
+    check_config(config)
+    for rows, cols in ((64, 64), (256, 64), (64, 192)):
+        scale = muon_scale(rows, cols, config.muon_scale_mode, config.muon_extra_scale_factor)
+        assert abs(scale - 0.2 * max(rows, cols) ** 0.5) < 1e-12
