@@ -30,6 +30,7 @@ def test_megatron_tp1_tp2_training_norms_scheduler_fp16_and_resume(tmp_path):
         (cases.scheduler_drives_lr_and_decay, ()),
         (cases.fp16_skips_an_overflowing_step, ()),
         (cases.state_dict_resume_is_exact, ()),
+        (cases.layer_wise_owns_a_share_and_matches_replicated, ()),
     ], timeout_s=600)
 
 
@@ -39,6 +40,7 @@ def test_megatron_expert_params_use_the_expert_tp_group(tmp_path):
     and zero count against Megatron's ChainedOptimizer, fp16 skipping a step on every rank for an inf in one
     rank's expert grad, and a dist_checkpointing resume from the first layout to the
     second (support/megatron_expert_cases.py)."""
+    from support import megatron_cases
     from support import megatron_expert_cases as cases
     from support.dist_helpers import spawn
 
@@ -46,6 +48,7 @@ def test_megatron_expert_params_use_the_expert_tp_group(tmp_path):
         (cases.experts_use_the_expert_tp_group, ()),
         (cases.fp16_inf_in_one_expert_skips_every_rank, ()),
         (cases.expert_checkpoint_across_layouts, (str(tmp_path / "ckpt"),)),
+        (megatron_cases.layer_wise_owns_a_share_and_matches_replicated, ()),  # TP=2 blockwise x DP=2
     ], timeout_s=600)
 
 

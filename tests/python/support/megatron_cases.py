@@ -518,3 +518,38 @@ def dist_checkpoint_across_tp(path: str) -> None:
         _load(model, opt, where)
         got = replay(model, opt, grads[2:])
         compare(got, want[2:], f"resumed TP={first} -> TP={second}", 0.0)
+
+
+def layer_wise_owns_a_share_and_matches_replicated() -> None:
+    """layer_wise_distributed_optimizer=True at DP=2 (TP=1, and TP=2 "blockwise" on 4 ranks): each rank keeps
+    about half the optimizer state, and the params equal the replicated optimizer's bit for bit over 3 steps
+    (NorMuon on); its state_dict() (the whole state, on every rank) loads into the replicated optimizer and
+    both continue alike."""
+    from megatron.core import parallel_state
+    from muon_ext.distributed.ownership import state_bytes
+    from muon_ext.megatron import get_megatron_muon_optimizer
+
+    tp = 2 if dist.get_world_size() == 4 else 1
+    settings = dict(muon_tp_mode="blockwise")
+    init_parallel(tp)
+    assert parallel_state.get_data_parallel_world_size() == 2
+    ref_model = tiny_gpt()
+    ref = get_megatron_muon_optimizer(optimizer_config(**settings), [ref_model], beta2=0.95)
+    model = tiny_gpt()
+    opt = get_megatron_muon_optimizer(optimizer_config(**settings), [model], beta2=0.95,
+                                      layer_wise_distributed_optimizer=True)
+    ref_losses, _ = train(ref_model, ref, 3)
+    losses, _ = train(model, opt, 3)
+    assert losses == ref_losses
+    for (n, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters()):
+        assert torch.equal(p, q), n
+    mine, whole = state_bytes(opt.optimizer.state), state_bytes(ref.optimizer.state)
+    totals = torch.tensor([float(mine)], dtype=torch.float64)
+    dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
+    assert float(totals) == whole and mine <= 0.75 * whole, (mine, whole)
+    saved = copy.deepcopy(opt.state_dict())
+    ref.load_state_dict(saved)
+    train(ref_model, ref, 1, first=3)
+    train(model, opt, 1, first=3)
+    for (n, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters()):
+        assert torch.equal(p, q), n
