@@ -87,30 +87,35 @@ def _timed(call) -> float:
 
 
 def scale(n: int, torch_load_params: int) -> dict:
-    """Construction, state_dict and load_state_dict at `n` tiny params, MuonAdamW beside torch.optim.AdamW."""
+    """Construction, state_dict and load_state_dict at `n` tiny params, MuonAdamW beside torch.optim.AdamW,
+    each in a child process forked from this one (so that neither's memory figure reuses the other's)."""
     from muon_ext import MuonAdamW
     MuonAdamW([{"params": [torch.nn.Parameter(torch.zeros(2))], "kind": "adamw"}])  # imports, first-call setup
     torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))])
     groups = tiny_params(n // 2)
-    out = {"params": n}
-    rss = _rss_bytes()
-    holder = {}
-    out["muon_ext"] = {"construct_s": _timed(lambda: holder.update(opt=MuonAdamW(groups)))}
-    out["muon_ext"]["state_bytes_per_param"] = (_rss_bytes() - rss) / n
-    opt = holder["opt"]
-    out["muon_ext"]["first_step_s"] = _timed(opt.step)
-    out["muon_ext"]["state_dict_s"] = _timed(lambda: holder.update(sd=opt.state_dict()))
-    out["muon_ext"]["load_state_dict_s"] = _timed(lambda: opt.load_state_dict(holder["sd"]))
-    out["muon_ext"]["step_after_load_s"] = _timed(opt.step)
-    del opt, holder["opt"], holder["sd"]
-    # torch in a child process of its own, so that its memory figure does not reuse memory freed above.
     ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
-    child = ctx.Process(target=lambda: queue.put(_torch_scale(groups, n, torch_load_params)))
-    child.start()
-    out["torch_adamw"] = queue.get()
-    child.join()
+    out = {"params": n}
+    for name, measure_one in (("muon_ext", _muon_ext_scale), ("torch_adamw", _torch_scale)):
+        queue = ctx.Queue()
+        child = ctx.Process(target=lambda: queue.put(measure_one(groups, n, torch_load_params)))
+        child.start()
+        out[name] = queue.get()
+        child.join()
     return out
+
+
+def _muon_ext_scale(groups, n: int, torch_load_params: int) -> dict:
+    from muon_ext import MuonAdamW
+    holder = {}
+    rss = _rss_bytes()
+    ours = {"construct_s": _timed(lambda: holder.update(opt=MuonAdamW(groups)))}
+    ours["state_bytes_per_param"] = (_rss_bytes() - rss) / n
+    opt = holder["opt"]
+    ours["first_step_s"] = _timed(opt.step)
+    ours["state_dict_s"] = _timed(lambda: holder.update(sd=opt.state_dict()))
+    ours["load_state_dict_s"] = _timed(lambda: opt.load_state_dict(holder["sd"]))
+    ours["step_after_load_s"] = _timed(opt.step)
+    return ours
 
 
 def _torch_scale(groups, n: int, torch_load_params: int) -> dict:

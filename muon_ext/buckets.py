@@ -177,13 +177,9 @@ class StepPlanner:
             p = info.param
             if not reading or info.master_mode == "remainder":
                 self._check_master_mode(info)
-            group = groups[info.group]
-            rows, cols, view = 0, 0, ""
-            if info.kind == "muon":
-                rows, cols = matrix_shape(p, group["matrix_view"], info.name)
-                view = group["matrix_view"]
             check_released(info, "")
-            key = (info.group, p.dtype, p.device, info.master_mode, info.writer is None, rows, cols, view)
+            # The same shape in the same group: the same matrices (_check_batch finds them for the batch).
+            key = (info.group, p.dtype, p.device, info.master_mode, info.writer is None, p.shape)
             if ranges is None and key == batch_key:
                 batch.append(info)
                 continue

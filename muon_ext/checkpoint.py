@@ -32,19 +32,20 @@ _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 def state_dict(groups: List[dict], states: OptimizerState) -> dict:
     """torch's layout (params by index), with every master as a new FP32 tensor."""
     states.pending.resolve()  # a pending master may still rewrite its param (FP32 params included)
-    index = {}
-    packed_groups = []
+    packed_groups, packed_state, tensors = [], {}, states.tensors
+    # A param is in one group only (refused at construction): its index is its position over all groups.
+    first = 0
     for group in groups:
+        params = group["params"]
         packed = {k: v for k, v in group.items() if k != "params"}
-        packed["params"] = [index.setdefault(id(p), len(index)) for p in group["params"]]
+        packed["params"] = list(range(first, first + len(params)))
         packed_groups.append(packed)
-    packed_state = {}
-    for group in groups:
-        for p in group["params"]:
-            entry = dict(states.tensors[p])
+        for position, p in enumerate(params, first):
+            entry = dict(tensors[p])
             if "master_param" in entry:
                 entry["master_param"] = states.read_master(states.info(p))
-            packed_state[index[id(p)]] = entry
+            packed_state[position] = entry
+        first += len(params)
     return {"state": packed_state, "param_groups": packed_groups}
 
 
