@@ -32,20 +32,19 @@ _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 def state_dict(groups: List[dict], states: OptimizerState) -> dict:
     """torch's layout (params by index), with every master as a new FP32 tensor."""
     states.pending.resolve()  # a pending master may still rewrite its param (FP32 params included)
-    packed_groups, packed_state, tensors = [], {}, states.tensors
-    # A param is in one group only (refused at construction): its index is its position over all groups.
-    first = 0
+    index = {}
+    packed_groups = []
     for group in groups:
-        params = group["params"]
         packed = {k: v for k, v in group.items() if k != "params"}
-        packed["params"] = list(range(first, first + len(params)))
+        packed["params"] = [index.setdefault(id(p), len(index)) for p in group["params"]]
         packed_groups.append(packed)
-        for position, p in enumerate(params, first):
-            entry = dict(tensors[p])
+    packed_state = {}
+    for group in groups:
+        for p in group["params"]:
+            entry = dict(states.tensors[p])
             if "master_param" in entry:
                 entry["master_param"] = states.read_master(states.info(p))
-            packed_state[position] = entry
-        first += len(params)
+            packed_state[index[id(p)]] = entry
     return {"state": packed_state, "param_groups": packed_groups}
 
 
