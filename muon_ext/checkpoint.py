@@ -155,7 +155,9 @@ def _check_stats_layout(info: ParamInfo, state: Dict, group: Dict) -> None:
     """The NorMuon statistics this optimizer holds are laid out for its row_blocks (resident tensors, offload
     slab regions): a checkpoint whose row_blocks need another layout is refused here, before the groups are
     replaced, as a step refuses an edit of them."""
-    held = state.get("second_momentum_buffer") if group["kind"] == "muon" else None
+    if group["kind"] != "muon":
+        return
+    held = state.get("second_momentum_buffer")
     if isinstance(held, torch.Tensor):
         error = stats_layout_error(f"load_state_dict: {info.name}", info.param, group, held.shape)
         if error is not None:

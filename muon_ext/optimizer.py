@@ -29,7 +29,7 @@ from .distributed import agreement
 from .distributed.placements import holds_full, local
 from .distributed.ownership import Ownership, data_parallel_group_of
 from .distributed.step import DistributedStep, agree_on_checks, dtensor_infos
-from .state import OptimizerState, check_master_values, master_mode
+from .state import OptimizerState, check_master_values, gc_paused, master_mode
 
 __all__ = ["MuonAdamW"]
 
@@ -151,6 +151,7 @@ class MuonAdamW(torch.optim.Optimizer):
     # Groups
     # ------------------------------------------------------------------
 
+    @gc_paused()
     def add_param_group(self, param_group: dict) -> None:
         """Validate a group, fill its defaults, create its state; re-buckets."""
         if self._states is None:  # torch's __init__ makes self.state, then adds the groups
@@ -469,6 +470,7 @@ class MuonAdamW(torch.optim.Optimizer):
     # Checkpoints
     # ------------------------------------------------------------------
 
+    @gc_paused()
     def state_dict(self) -> dict:
         """torch's layout, with every master stored as an FP32 tensor (portable
         between remainder and non-remainder configurations). Runs the hooks of
@@ -489,6 +491,7 @@ class MuonAdamW(torch.optim.Optimizer):
                 state_dict = result
         return state_dict
 
+    @gc_paused()
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state dict saved by MuonAdamW (any master configuration) or
         with TransformerEngine-style int16 `master_param` remainders.
