@@ -82,6 +82,7 @@ class Ownership:
         self._loads = {"muon": [0.0] * self.world, "adamw": [0.0] * self.world}
         self._plan_digest = 0
         self.bytes_sent = 0  # by share (all steps): the measure the benchmarks report
+        self._share_key, self._share_plan_cache = None, []
 
     def polar_loads(self) -> List[float]:
         """Polar-Express FLOPs per step assigned to each rank (the plan's Muon balance)."""
@@ -151,32 +152,51 @@ class Ownership:
 
     def share(self, params: List[torch.Tensor]) -> int:
         """Every param from its owner to every rank: per dtype, one all_gather of each rank's owned params
-        (flat, padded to the largest rank's share). Returns the bytes this rank sent."""
-        by_dtype: Dict[Tuple[torch.dtype, torch.device], List[torch.Tensor]] = {}
-        for p in params:
-            by_dtype.setdefault((p.dtype, p.device), []).append(p)
+        (flat, padded to the largest rank's share). The layout of the buffers is planned once per param list
+        (`_share_plan`): a step's host work is a copy in and a copy out, none per rank. Returns the bytes this
+        rank sent."""
         sent = 0
-        for (dtype, device), members in by_dtype.items():
-            shares = [[p for p in members if self.owners[id(p)] == r] for r in range(self.world)]
-            size = max(sum(p.numel() for p in share) for share in shares)
-            if size == 0:
-                continue
-            mine = torch.zeros(size, dtype=dtype, device=device)
-            if shares[self.rank]:
-                flat = torch.cat([p.detach().reshape(-1) for p in shares[self.rank]])
-                mine[:flat.numel()].copy_(flat)
+        for dtype, device, size, mine, theirs in self._share_plan(params):
+            buffer = torch.zeros(size, dtype=dtype, device=device)
+            if mine:
+                torch.cat([p.detach().reshape(-1) for p in mine], out=buffer[:sum(p.numel() for p in mine)])
             gathered = torch.empty(size * self.world, dtype=dtype, device=device)
-            dist.all_gather_into_tensor(gathered, mine, group=self.group)
-            sent += mine.numel() * mine.element_size() * (self.world - 1)  # to every other rank (a ring's total)
-            for r, share in enumerate(shares):
-                if r == self.rank or not share:
-                    continue
-                at = r * size
-                for p in share:
-                    p.data.view(-1).copy_(gathered[at:at + p.numel()])
-                    at += p.numel()
+            dist.all_gather_into_tensor(gathered, buffer, group=self.group)
+            sent += size * buffer.element_size() * (self.world - 1)  # to every other rank (a ring's total)
+            targets, offsets = theirs
+            if targets:
+                sources = [gathered[at:at + p.numel()] for p, at in zip(targets, offsets)]
+                torch._foreach_copy_([p.data.view(-1) for p in targets], sources)
         self.bytes_sent += sent
         return sent
+
+    def _share_plan(self, params: List[torch.Tensor]):
+        """[(dtype, device, padded share size, this rank's params, (other ranks' params, their offsets in the
+        gathered buffer))] for `params`, cached until the param list changes."""
+        key = (len(self.owners), tuple(map(id, params)))
+        if self._share_key != key:
+            by_dtype: Dict[Tuple[torch.dtype, torch.device], List[torch.Tensor]] = {}
+            for p in params:
+                by_dtype.setdefault((p.dtype, p.device), []).append(p)
+            plan = []
+            for (dtype, device), members in by_dtype.items():
+                shares: List[List[torch.Tensor]] = [[] for _ in range(self.world)]
+                for p in members:
+                    shares[self.owners[id(p)]].append(p)
+                size = max(sum(p.numel() for p in share) for share in shares)
+                if size == 0:
+                    continue
+                targets, offsets = [], []
+                for r, share in enumerate(shares):
+                    at = r * size
+                    for p in share:
+                        if r != self.rank:
+                            targets.append(p)
+                            offsets.append(at)
+                        at += p.numel()
+                plan.append((dtype, device, size, shares[self.rank], (targets, offsets)))
+            self._share_key, self._share_plan_cache = key, plan
+        return self._share_plan_cache
 
     def broadcast_from_owner(self, tensor: torch.Tensor, param) -> None:
         """`tensor` (on every rank, the same shape) from the param's owner to every rank of the group."""
