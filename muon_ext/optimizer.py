@@ -180,6 +180,9 @@ class MuonAdamW(torch.optim.Optimizer):
         # nothing").
         group, names = agreement.agree_over_params(f"add_param_group (param group {index})", given, checks,
                                                    lambda checked: [checked[0]], 1, first_group=index)
+        if self._ownership is not None and any(writers.is_quantized(p) for p in group["params"]):
+            raise ValueError(f"param group {index}: quantized params with a data_parallel_group are not supported "
+                             "yet (their FP32 masters write them through a writer on every rank)")
         if self._ownership is not None and any(is_dtensor(p) for p in group["params"]):
             raise ValueError(f"param group {index}: data_parallel_group applies to plain (replicated) params; "
                              "DTensor params share their work over their own mesh (build a separate optimizer "
@@ -409,6 +412,9 @@ class MuonAdamW(torch.optim.Optimizer):
         (`resize_(0)`) while the optimizer steps, updates or loads the param.
         Everything is validated before anything changes."""
         info = self._states.info(param)
+        if self._ownership is not None:
+            raise ValueError("register_param_writer: not supported with a data_parallel_group yet (a non-owner "
+                             "has no master to write the param from; the params are all-gathered instead)")
         released = writers.check_registration(info, writer, storage, staged=self._runner.staged)
         if not released:
             self._check_params([info], all_state=False, reading=True)

@@ -156,3 +156,22 @@ def test_owners_balance_the_polar_express_flops():
 def test_data_parallel_group_is_checked():
     with pytest.raises(TypeError, match="data_parallel_group"):
         _optimizer(_params(torch.float32), data_parallel_group="world")
+
+
+def _refusals(rank, world):
+    """What ownership does not take yet is refused at construction or registration, on every rank alike."""
+    import torch.distributed as dist
+
+    with pytest.raises(ValueError, match="offload='cpu' is not supported yet"):
+        _optimizer(_params(torch.float32), data_parallel_group=dist.group.WORLD, offload="cpu")
+    opt = _optimizer(_params(torch.bfloat16), data_parallel_group=dist.group.WORLD)
+    p = opt.param_groups[0]["params"][0]
+    with pytest.raises(ValueError, match="register_param_writer: not supported with a data_parallel_group"):
+        opt.register_param_writer(p, lambda *args: None)
+    with pytest.raises(TypeError, match="cannot be copied or pickled"):
+        import copy
+        copy.deepcopy(opt)
+
+
+def test_what_ownership_does_not_take_yet_is_refused(tmp_path):
+    spawn(tmp_path, 2, _refusals, timeout_s=120)
