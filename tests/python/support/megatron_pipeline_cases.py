@@ -1,0 +1,136 @@
+"""Cases of tests/python/test_megatron_pipeline.py: a tiny Megatron-Core GPT
+(2 layers, FP32, Megatron DDP) trained with muon_ext's Megatron optimizer
+through megatron-core's own schedules (`get_forward_backward_func`): one
+process (no pipelining), then 2 gloo processes at pipeline parallel size 2
+(1F1B, one layer per stage, activations sent between stages by megatron's
+p2p). Params are set by their global names (the same values at every PP
+size), so the stages' grads, grad norm, zero count and clipped steps can be
+compared with the one-process run."""
+
+from __future__ import annotations
+
+import os
+import re
+import zlib
+
+import torch
+import torch.distributed as dist
+
+from support.megatron_cases import optimizer_config
+from support.megatron_cpu import megatron_on_cpu
+from support.megatron_model import SEQ, VOCAB, batch
+
+LAYERS, HIDDEN, MICRO, MICRO_BATCH, STEPS = 2, 32, 2, 2, 3
+
+
+def run_all(rank: int, world: int, cases) -> None:
+    with megatron_on_cpu():
+        for case, case_args in cases:
+            case(*case_args)
+            from megatron.core import parallel_state
+            parallel_state.destroy_model_parallel()
+
+
+def _model(pp: int):
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+    from megatron.core.transformer import TransformerConfig
+
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=pp)
+    model_parallel_cuda_manual_seed(1234)
+    config = TransformerConfig(
+        num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=4, use_cpu_initialization=True,
+        params_dtype=torch.float32, pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,
+        hidden_dropout=0.0, attention_dropout=0.0)
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
+                     max_sequence_length=SEQ, share_embeddings_and_output_weights=False,
+                     pre_process=parallel_state.is_pipeline_first_stage(),
+                     post_process=parallel_state.is_pipeline_last_stage())
+    offset = parallel_state.get_pipeline_model_parallel_rank() * (LAYERS // pp)
+    names = {}
+    with torch.no_grad():  # the same value for a param at every PP size: drawn from its global name
+        for name, p in model.named_parameters():
+            global_name = re.sub(r"layers\.(\d+)\.", lambda m: f"layers.{int(m.group(1)) + offset}.", name)
+            g = torch.Generator().manual_seed(zlib.crc32(global_name.encode()))
+            p.copy_(0.05 * torch.randn(p.shape, generator=g) + (1.0 if "layernorm" in name and "weight" in name
+                                                                  else 0.0))
+            names[name] = global_name
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, use_distributed_optimizer=False)
+    return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model), names
+
+
+def _forward_step(data_iterator, model):
+    tokens, labels, position_ids = next(data_iterator)
+    output = model(tokens, position_ids, None, labels=labels)
+
+    def loss_func(output_tensor):
+        loss = output_tensor.float().mean()
+        return loss, {"loss": loss.detach()}
+
+    return output, loss_func
+
+
+def _train(pp: int, folder: str, beta2=None):
+    """STEPS steps (MICRO micro-batches each, clipped) at PP size `pp`; returns ({global name: param}, norms,
+    zeros, losses on the last stage)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from muon_ext.megatron import get_megatron_muon_optimizer
+
+    model, names = _model(pp)
+    # FP32 params and Polar-Express: the stages sum in another order than one process (the grad norm over two
+    # stages), and in BF16 a rounding flip would move a whole Muon update. The grads' norm is ~1.5: every step clips.
+    config = optimizer_config(clip_grad=0.05, log_num_zeros_in_grad=True, bf16=False, muon_fp32_matmul_prec="highest")
+    opt = get_megatron_muon_optimizer(config, [model], beta2=beta2)
+    forward_backward = get_forward_backward_func()
+    norms, zeros, losses = [], [], []
+    for step in range(STEPS):
+        data = iter([batch(step * MICRO + k, MICRO_BATCH) for k in range(MICRO)])
+        model.zero_grad_buffer()
+        out = forward_backward(forward_step_func=_forward_step, data_iterator=data, model=[model],
+                               num_microbatches=MICRO, seq_length=SEQ, micro_batch_size=MICRO_BATCH)
+        model.finish_grad_sync()
+        ok, norm, zero_count = opt.step()
+        assert ok
+        norms.append(norm)
+        zeros.append(zero_count)
+        losses += [float(o["loss"]) for o in out]
+    params = {names[n]: p.detach().float().clone() for n, p in model.module.named_parameters()}
+    return params, norms, zeros, losses, opt
+
+
+def one_process(folder: str) -> None:
+    params, norms, zeros, losses, _ = _train(1, folder)
+    torch.save({"params": params, "norms": norms, "zeros": zeros, "losses": losses},
+               os.path.join(folder, "pp1.pt"))
+
+
+def two_stages(folder: str) -> None:
+    """PP = 2: each stage's params after 3 clipped steps, the grad norm (over
+    the PP group: each stage holds half the model), the zero count and the
+    losses equal the one-process run's; a stage never holds the other's
+    params; state_dict / load_state_dict round-trip on each stage."""
+    from megatron.core import parallel_state
+
+    want = torch.load(os.path.join(folder, "pp1.pt"))
+    params, norms, zeros, losses, opt = _train(2, folder)
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    assert params and set(params) < set(want["params"]), sorted(params)
+    layer = f"layers.{stage}."
+    assert all(layer in n for n in params if ".layers." in n), sorted(params)
+    for name, value in params.items():
+        ref = want["params"][name]
+        err = float((value - ref).norm() / ref.norm())
+        assert err < 1e-4, f"stage {stage} {name}: relative difference {err:.3g} from one process"
+    for got, ref in zip(norms, want["norms"]):
+        assert abs(got - ref) <= 1e-6 * ref, (norms, want["norms"])
+    assert zeros == want["zeros"], (zeros, want["zeros"])
+    if parallel_state.is_pipeline_last_stage():
+        assert max(abs(a - b) for a, b in zip(losses, want["losses"])) < 1e-5, (losses, want["losses"])
+    state = opt.state_dict()
+    opt.load_state_dict(state)
+    dist.barrier()
