@@ -84,20 +84,10 @@ def grouped_experts_per_expert(tp: int, etp: int, ep: int, mode: str) -> None:
     from muon_ext.megatron import get_megatron_muon_optimizer
     from muon_ext.megatron import config as cfg
 
-    init_layout(tp, etp, ep)
+    config = optimizer_config(muon_tp_mode=mode, clip_grad=0.0)
+    model, weights, views = _fresh(tp, etp, ep)
     ep_group = parallel_state.get_expert_model_parallel_group()
     etp_group = parallel_state.get_expert_tensor_parallel_group()
-    model = grouped_gpt(tp, etp, ep)
-    experts = model.module.decoder.layers[0].mlp.experts
-    assert type(experts).__name__ == "GroupedMLP"
-    weights = {"weight1": experts.weight1, "weight2": experts.weight2}
-    views = {}
-    with torch.no_grad():
-        for which, p in weights.items():
-            views[which] = lambda t, which=which: t.view(NUM_EXPERTS // ep, *(
-                (HIDDEN, -1) if which == "weight1" else (-1, HIDDEN)))
-            views[which](p).copy_(_local(which, 0.05 * _whole(which, "init"), ep_group, etp_group))
-    config = optimizer_config(muon_tp_mode=mode, clip_grad=0.0)
     opt = get_megatron_muon_optimizer(config, [model])
     blockwise = mode == "blockwise" and etp > 1
     refs, ref_groups = {}, []
@@ -114,11 +104,9 @@ def grouped_experts_per_expert(tp: int, etp: int, ep: int, mode: str) -> None:
                                   if k != "matrix_view"}))
     ref = MuonAdamW(ref_groups, grad_attr="main_grad")  # FP32 grads of BF16 params, as Megatron's
     for step in range(STEPS):
-        for p in model.module.parameters():
-            p.main_grad.zero_()
-        for which, p in weights.items():
+        _grads(model, weights, views, step)
+        for which in weights:
             g = _whole(which, f"grad{step}")
-            views[which](p.main_grad).copy_(_local(which, g, ep_group, etp_group))
             refs[which].main_grad = _local(which, g, ep_group, etp_group).contiguous() if blockwise else g
         ok, _, _ = opt.step()
         assert ok
@@ -133,3 +121,73 @@ def grouped_experts_per_expert(tp: int, etp: int, ep: int, mode: str) -> None:
             whole.main_grad = _whole("weight1", f"grad{step}").view(HIDDEN, -1).clone()
             one.step()
         assert not torch.equal(bits(whole.detach().view(NUM_EXPERTS, HIDDEN, FFN)), bits(refs["weight1"].detach()))
+
+
+def _fresh(tp: int, etp: int, ep: int):
+    """(model, {"weight1", "weight2": GroupedMLP params}, {which: its [E, rows, cols] view of a tensor}) at the
+    layout, the experts' values set from their global index."""
+    from megatron.core import parallel_state
+
+    init_layout(tp, etp, ep)
+    ep_group = parallel_state.get_expert_model_parallel_group()
+    etp_group = parallel_state.get_expert_tensor_parallel_group()
+    model = grouped_gpt(tp, etp, ep)
+    experts = model.module.decoder.layers[0].mlp.experts
+    assert type(experts).__name__ == "GroupedMLP"
+    weights = {"weight1": experts.weight1, "weight2": experts.weight2}
+    views = {}
+    with torch.no_grad():
+        for which, p in weights.items():
+            views[which] = lambda t, which=which: t.view(NUM_EXPERTS // ep, *(
+                (HIDDEN, -1) if which == "weight1" else (-1, HIDDEN)))
+            views[which](p).copy_(_local(which, 0.05 * _whole(which, "init"), ep_group, etp_group))
+    return model, weights, views
+
+
+def _grads(model, weights, views, step: int) -> None:
+    """Synthetic main grads: the experts' from their global index, every other param's zero."""
+    from megatron.core import parallel_state
+
+    ep_group = parallel_state.get_expert_model_parallel_group()
+    etp_group = parallel_state.get_expert_tensor_parallel_group()
+    for p in model.module.parameters():
+        p.main_grad.zero_()
+    for which, p in weights.items():
+        views[which](p.main_grad).copy_(_local(which, _whole(which, f"grad{step}"), ep_group, etp_group))
+
+
+def grouped_checkpoint_across_layouts(path: str) -> None:
+    """dist_checkpointing of model + optimizer with GroupedMLP experts: saved
+    after one step at expert TP 2 ("duplicated": each expert split by columns
+    / rows), resumed at EP 2 (whole experts, 2 per rank), one more step:
+    every expert's param bit-equal to the run that never stopped at EP 2."""
+    from megatron.core import parallel_state
+
+    from muon_ext.megatron import get_megatron_muon_optimizer
+
+    from support.megatron_cases import _load, _save
+
+    config = optimizer_config(clip_grad=0.0, muon_tp_mode="duplicated", muon_fp32_matmul_prec="highest")
+    model, weights, views = _fresh(1, 1, 2)
+    opt = get_megatron_muon_optimizer(config, [model])
+    for step in range(2):
+        _grads(model, weights, views, step)
+        assert opt.step()[0]
+    want = {which: p.detach().clone() for which, p in weights.items()}
+    parallel_state.destroy_model_parallel()
+    model, weights, views = _fresh(1, 2, 1)
+    opt = get_megatron_muon_optimizer(config, [model])
+    _grads(model, weights, views, 0)
+    assert opt.step()[0]
+    _save(model, opt, path)
+    parallel_state.destroy_model_parallel()
+    model, weights, views = _fresh(1, 1, 2)
+    opt = get_megatron_muon_optimizer(config, [model])
+    with torch.no_grad():
+        for p in model.module.parameters():
+            p.zero_()  # the load must bring the params back
+    _load(model, opt, path)
+    _grads(model, weights, views, 1)
+    assert opt.step()[0]
+    for which, p in weights.items():
+        assert torch.equal(bits(p.detach()), bits(want[which])), f"resumed {which}"
