@@ -1,7 +1,7 @@
 """muon_ext.megatron with Megatron-Core's legacy GroupedMLP experts (all local experts in one 2-D
 weight): each expert orthogonalized as its own matrix (megatron-core 0.16.1's own rule would take the
 whole 2-D weight as one matrix, coupling the experts), at one process and at EP 2 / expert TP 2 on two
-gloo processes, in "duplicated", "distributed" (stacks take the owner exchange) and "blockwise" modes, and a dist_checkpointing save at expert TP 2 resumed at EP 2; synthetic grads
+gloo processes, in "duplicated", "distributed" (stacks take the owner exchange) and "blockwise" modes, NorMuon (statistics per expert), and a dist_checkpointing save at expert TP 2 resumed at EP 2; synthetic grads
 (support/megatron_grouped_cases.py).
 TEGroupedMLP (one param per expert) needs TransformerEngine: skipped where it does not import."""
 
@@ -16,7 +16,9 @@ from support.dist_helpers import spawn  # noqa: E402
 
 
 def test_grouped_mlp_experts_one_process(tmp_path):
-    spawn(tmp_path, 1, cases.run_all, [(cases.grouped_experts_per_expert, (1, 1, 1, "duplicated"))], timeout_s=300)
+    spawn(tmp_path, 1, cases.run_all, [(cases.grouped_experts_per_expert, (1, 1, 1, "duplicated")),
+                                        (cases.grouped_experts_per_expert, (1, 1, 1, "duplicated", 0.95))],
+          timeout_s=300)
 
 
 def test_grouped_mlp_experts_under_ep_and_expert_tp(tmp_path):
@@ -25,6 +27,8 @@ def test_grouped_mlp_experts_under_ep_and_expert_tp(tmp_path):
         (cases.grouped_experts_per_expert, (1, 2, 1, "duplicated")),
         (cases.grouped_experts_per_expert, (1, 2, 1, "blockwise")),
         (cases.grouped_experts_per_expert, (1, 2, 1, "distributed")),
+        (cases.grouped_experts_per_expert, (1, 1, 2, "duplicated", 0.95)),
+        (cases.grouped_experts_per_expert, (1, 2, 1, "duplicated", 0.95)),
         (cases.grouped_checkpoint_across_layouts, (str(tmp_path / "ckpt"),)),
     ], timeout_s=300)
 

@@ -72,12 +72,12 @@ def _local(which: str, whole: torch.Tensor, ep, etp) -> torch.Tensor:
     return part.chunk(etp.size(), dim=2 if which == "weight1" else 1)[etp.rank()]
 
 
-def grouped_experts_per_expert(tp: int, etp: int, ep: int, mode: str) -> None:
+def grouped_experts_per_expert(tp: int, etp: int, ep: int, mode: str, beta2=None) -> None:
     """The GroupedMLP weights step as a stack of experts, each orthogonalized
     on its own: equal bit for bit to a plain MuonAdamW on the whole [E,
     rows, cols] stacks (one process; per local shard in "blockwise" mode),
     with Megatron's update scale of each expert's (out, in) = (ffn, hidden) /
-    (hidden, ffn). At one process also: megatron-core's own rule (the 2-D
+    (hidden, ffn); with NorMuon (`beta2`), statistics per expert. At one process also: megatron-core's own rule (the 2-D
     weight1 as one matrix) gives another update."""
     from megatron.core import parallel_state
 
@@ -88,7 +88,7 @@ def grouped_experts_per_expert(tp: int, etp: int, ep: int, mode: str) -> None:
     model, weights, views = _fresh(tp, etp, ep)
     ep_group = parallel_state.get_expert_model_parallel_group()
     etp_group = parallel_state.get_expert_tensor_parallel_group()
-    opt = get_megatron_muon_optimizer(config, [model])
+    opt = get_megatron_muon_optimizer(config, [model], beta2=beta2)
     blockwise = mode == "blockwise" and etp > 1
     refs, ref_groups = {}, []
     for which in weights:
@@ -100,7 +100,7 @@ def grouped_experts_per_expert(tp: int, etp: int, ep: int, mode: str) -> None:
         lr, wd = cfg.lr_and_decay(config.lr, config.weight_decay,
                                   cfg.muon_scale(cols, rows, config.muon_scale_mode, config.muon_extra_scale_factor))
         ref_groups.append(dict(params=[refs[which]], kind="muon", lr=lr, weight_decay=wd, matrix_view="batch",
-                               **{k: v for k, v in cfg.muon_settings(config, None, None).items()
+                               **{k: v for k, v in cfg.muon_settings(config, beta2, None).items()
                                   if k != "matrix_view"}))
     ref = MuonAdamW(ref_groups, grad_attr="main_grad")  # FP32 grads of BF16 params, as Megatron's
     for step in range(STEPS):
