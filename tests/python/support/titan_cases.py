@@ -77,12 +77,17 @@ def _pipeline_stage(trainer, params, losses, single, rank):
         assert max(abs(a - b) for a, b in zip(values, single["muon"])) < 1e-3, (values, single["muon"])
 
 
-def resume_exactly(folder, make_config, losses, params):
+def resume_exactly(folder, make_config, losses, params, run: str = "muon"):
     """torchtitan resumed (`make_config(out)`) from the step-SAVE_AT checkpoint of the run under
-    folder/muon, whose `losses` (steps 1..STEPS) and final `params` it must end on exactly; returns its trainer."""
-    resumed_out = os.path.join(folder, "resumed")
-    shutil.copytree(os.path.join(folder, "muon", "checkpoint", f"step-{SAVE_AT}"),
-                    os.path.join(resumed_out, "checkpoint", f"step-{SAVE_AT}"))
+    folder/`run`, whose `losses` (steps 1..STEPS) and final `params` it must end on exactly; returns its trainer.
+    Collective (rank 0 copies the checkpoint)."""
+    import torch.distributed as dist
+
+    resumed_out = os.path.join(folder, f"resumed_{run}")
+    if dist.get_rank() == 0:
+        shutil.copytree(os.path.join(folder, run, "checkpoint", f"step-{SAVE_AT}"),
+                        os.path.join(resumed_out, "checkpoint", f"step-{SAVE_AT}"))
+    dist.barrier()
     config = make_config(resumed_out)
     config.checkpoint.load_step = SAVE_AT
     trainer, resumed = titan_cpu.train(config)
