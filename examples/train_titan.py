@@ -1,7 +1,9 @@
-"""torchtitan's llama3 debug model (2 layers, seq 64) with MuonAdamW or
-torchtitan's AdamW, on a CPU-only machine (gloo), printing the loss of every
-25th step and the final losses (mean of the last 10 steps; held-out). It applies the CPU
-patches torchtitan 0.3.0 needs and writes a small tokenizer and dataset
+"""torchtitan's llama3 debug model (2 layers, seq 64), or its qwen3 MoE debug
+recipe made small (`--model qwen3_moe`: 4 routed experts, top 2, a shared
+expert, the load-balancing expert bias), with MuonAdamW or torchtitan's AdamW,
+on a CPU-only machine (gloo), printing the loss of every 25th step and the final
+losses (mean of the last 10 steps; held-out). It applies the CPU patches
+torchtitan 0.3.0 needs and writes a small tokenizer and dataset
 (tests/python/support/titan_cpu.py); on GPUs use
 examples/torchtitan_muon/config_registry.py with torchtitan's own launcher.
 
@@ -9,6 +11,7 @@ examples/torchtitan_muon/config_registry.py with torchtitan's own launcher.
     python examples/train_titan.py --compare                  # both, same batches and seed; plot
     python examples/train_titan.py --optimizer muon --steps 20
     python examples/train_titan.py --optimizer muon --steps 20 --nproc 2 --tp 2   # or --dp-shard 2
+    python examples/train_titan.py --model qwen3_moe --steps 20 --nproc 2 --dp-shard 2 --ep 2
 
 MuonAdamW takes torchtitan's AdamW lr and weight decay for both kinds
 (muon_ext.torchtitan.muon_adamw(lr=...); docs/guide.md, "One learning rate");
@@ -48,8 +51,13 @@ def _worker(rank, args, optimizer, folder, port):
     dist.barrier()
     assets = assets or {"tokenizer": os.path.join(folder, "assets", "tokenizer"),
                         "data": os.path.join(folder, "assets", "data")}
-    config = titan_cpu.llama3_config(assets, os.path.join(folder, optimizer), optimizer=optimizer, steps=args.steps,
-                                     dp_shard=args.dp_shard, tp=args.tp, batch=args.batch)
+    out = os.path.join(folder, optimizer)
+    if args.model == "qwen3_moe":  # experts: Muon per expert, split over EP (Shard(0)) and FSDP
+        config = titan_cpu.qwen3_moe_config(assets, out, optimizer=optimizer, steps=args.steps,
+                                            dp_shard=args.dp_shard, ep=args.ep, batch=args.batch)
+    else:
+        config = titan_cpu.llama3_config(assets, out, optimizer=optimizer, steps=args.steps,
+                                         dp_shard=args.dp_shard, tp=args.tp, batch=args.batch)
     config.lr_scheduler.warmup_steps = max(1, args.steps // 20)
     # Held-out loss at the last step: text of the same kind from other random draws (the training set is 400
     # lines, seen several times over, so the training loss also measures memorization).
@@ -88,6 +96,7 @@ def _worker(rank, args, optimizer, folder, port):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=["llama3", "qwen3_moe"], default="llama3")
     parser.add_argument("--optimizer", choices=["muon", "adamw"], default="muon")
     parser.add_argument("--compare", action="store_true", help="train with both, on the same batches and seed")
     parser.add_argument("--steps", type=int, default=200)
@@ -98,7 +107,8 @@ def main(argv=None):
     parser.add_argument("--eval-steps", type=int, default=8, help="held-out batches at the last step")
     parser.add_argument("--nproc", type=int, default=1)
     parser.add_argument("--dp-shard", type=int, default=1)
-    parser.add_argument("--tp", type=int, default=1)
+    parser.add_argument("--tp", type=int, default=1, help="llama3 only")
+    parser.add_argument("--ep", type=int, default=1, help="qwen3_moe only: expert parallel (divides --dp-shard)")
     parser.add_argument("--plot", default="runs/titan/loss.png")
     args = parser.parse_args(argv)
     folder = tempfile.mkdtemp(prefix="train_titan_")

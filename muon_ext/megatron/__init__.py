@@ -58,7 +58,7 @@ def get_megatron_muon_optimizer(
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     from .optimizer import MegatronMuonAdamW
-    from .params import classify
+    from .params import classify, grouped_experts
 
     if pg_collection is None:
         pg_collection = ProcessGroupCollection.use_mpu_process_groups()
@@ -67,7 +67,9 @@ def get_megatron_muon_optimizer(
         for name, p in chunk.named_parameters():
             names.setdefault(id(p), name)
     groups = _get_param_groups(model_chunks, config, config_overrides)
-    params = {id(p): classify(p, names[id(p)], pg_collection) for g in groups for p in g["params"]}
+    grouped = grouped_experts(model_chunks)  # legacy GroupedMLP weights: orthogonalized per expert
+    params = {id(p): classify(p, names[id(p)], pg_collection, grouped.get(id(p), 0)) for g in groups
+              for p in g["params"]}
     data_parallel_group = None
     if layer_wise_distributed_optimizer:
         if any(mp.expert for mp in params.values()):

@@ -88,6 +88,8 @@ class MegatronMuonAdamW(MegatronOptimizer):
                     rows, cols = self._muon_shape(mp)
                     factor = cfg.muon_scale(rows, cols, config.muon_scale_mode, config.muon_extra_scale_factor)
                     key, settings = ("muon", factor), muon_settings
+                    if mp.grouped:  # a GroupedMLP weight: its experts' stack, each expert a matrix
+                        key, settings = key + ("batch",), dict(muon_settings, matrix_view="batch")
                 if key not in by_key:
                     by_key[key] = dict(kind=key[0], params=[], param_names=[], megatron_group=index,
                                        update_factor=factor, **settings, **blocks)
@@ -113,20 +115,21 @@ class MegatronMuonAdamW(MegatronOptimizer):
         return dict(row_blocks=row_blocks.interleaved(groups, self._qkv_split_shapes), row_block_scales=scales)
 
     def _muon_shape(self, mp: MegatronParam):
-        """The matrix Muon orthogonalizes: the local shard in "blockwise" mode, else the whole matrix."""
-        if mp.partition_dim is None or self.tp_mode == "blockwise":
-            return tuple(mp.param.shape)
-        return mp.full_shape()
+        """(out, in) of the matrix Muon orthogonalizes: the local shard in "blockwise" mode, else the whole
+        matrix (one expert's for a GroupedMLP weight)."""
+        return mp.out_in(full=mp.partition_dim is not None and self.tp_mode != "blockwise")
 
     def _inner_param(self, mp: MegatronParam) -> torch.Tensor:
         """The tensor the inner MuonAdamW holds for a model param: the param itself, or for a TP-split Muon
         param outside "blockwise" mode its DTensor view (orthogonalized whole by the owner exchange,
-        "duplicated", or in place by Gram all_reduces, "distributed")."""
-        if mp.kind == "muon" and mp.partition_dim is not None and self.tp_mode != "blockwise":
-            view = TensorParallelView(mp)
+        "duplicated", or in place by Gram all_reduces, "distributed"), and for a GroupedMLP weight its
+        experts' stack (a DTensor where split so)."""
+        split = mp.partition_dim is not None and self.tp_mode != "blockwise"
+        if mp.kind == "muon" and (split or mp.grouped):
+            view = TensorParallelView(mp, split=split)
             view.refresh_grad()
             self._views[id(mp.param)] = view
-            return view.dtensor
+            return view.tensor
         return mp.param
 
     def _lr_and_decay(self, inner_group: dict):
@@ -149,7 +152,7 @@ class MegatronMuonAdamW(MegatronOptimizer):
     def view_of(self, param: torch.nn.Parameter) -> torch.Tensor:
         """The tensor the inner MuonAdamW holds for a model param: the param, or its DTensor view."""
         view = self._views.get(id(param))
-        return param if view is None else view.dtensor
+        return param if view is None else view.tensor
 
     # -- grads -------------------------------------------------------------
 
@@ -294,12 +297,13 @@ class MegatronMuonAdamW(MegatronOptimizer):
 
     def _model_param_of(self) -> List[torch.nn.Parameter]:
         """The model param behind each inner param, in the inner state dict's order."""
-        by_view = {id(v.dtensor): v.source.param for v in self._views.values()}
+        by_view = {id(v.tensor): v.source.param for v in self._views.values()}
         return [by_view.get(id(p), p) for p in self._inner_params()]
 
     def _as_views(self, inner: dict) -> dict:
         """A state dict holding plain local tensors (a dist_checkpointing load) with the
-        tensors of TP views wrapped as DTensors on their view's mesh."""
+        tensors of views in their view's shape (a GroupedMLP weight's stack), wrapped as DTensors on
+        their view's mesh where split."""
         from torch.distributed.tensor import DTensor, Replicate
 
         inner = dict(inner)
@@ -310,16 +314,19 @@ class MegatronMuonAdamW(MegatronOptimizer):
             if view is None or entry is None:
                 continue
             wrapped = {}
-            current = self.optimizer.state.get(view.dtensor, {})
+            current = self.optimizer.state.get(view.tensor, {})
             for key, value in entry.items():
-                if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
+                plain = isinstance(value, torch.Tensor) and not isinstance(value, DTensor)
+                if plain and tuple(value.shape) == tuple(view.source.param.shape):  # param-shaped: the view's shape
+                    value = value.reshape(view.source.view_shape(full=False))
+                if plain and view.split:
                     like = current.get(key)
                     if isinstance(like, DTensor):  # placed as this run's entry (NorMuon statistics: rows or whole)
                         placements = like.placements
                     else:
-                        same_shape = tuple(value.shape) == tuple(view.source.param.shape)
+                        same_shape = tuple(value.shape) == tuple(view.tensor.to_local().shape)
                         placements = view.placements if same_shape else (Replicate(),)
-                        like = view.dtensor if same_shape else value
+                        like = view.tensor if same_shape else value
                     value = DTensor.from_local(value.contiguous(), view.mesh, placements, run_check=False,
                                                shape=like.shape, stride=like.stride())
                 wrapped[key] = value
@@ -345,10 +352,12 @@ class MegatronMuonAdamW(MegatronOptimizer):
                 if key == "step":
                     common_step = local(value).clone() if common_step is None else common_step
                     continue
+                mp = self._params[id(models[index])]
                 if key == "second_momentum_buffer":
-                    out[key] = self._statistics_tensor(model_param, value, self._params[id(models[index])])
+                    out[key] = self._statistics_tensor(model_param, value, mp)
                     continue
-                out[key] = make_sharded_optimizer_tensor(model_param, local(value), prefix=f"optimizer.state.{key}")
+                out[key] = make_sharded_optimizer_tensor(model_param, local(value).reshape(mp.param.shape),
+                                                         prefix=f"optimizer.state.{key}")
             sharded[index] = out
         if common_step is not None:
             sharded["common_step"] = common_step
@@ -363,6 +372,9 @@ class MegatronMuonAdamW(MegatronOptimizer):
         from megatron.core.dist_checkpointing import ShardedTensor
         from torch.distributed.tensor import DTensor, Shard
 
+        if mp.grouped:
+            raise ValueError(f"muon_ext.megatron: {mp.name}: NorMuon statistics of a GroupedMLP weight (per "
+                             "expert) are not supported in dist_checkpointing (use beta2=None, or state_dict())")
         if not isinstance(model_param, ShardedTensor):
             raise ValueError(f"muon_ext.megatron: {mp.name}: NorMuon statistics of a param saved through a "
                              "ShardedTensorFactory are not supported in dist_checkpointing (use beta2=None)")

@@ -10,6 +10,15 @@ AdamW. A Muon param split over a tensor-parallel group
 mesh over the TP group, sharing storage with the Megatron param and its
 main_grad, so that MuonAdamW's DTensor path orthogonalizes the whole matrix
 (the same bits as TP=1). Expert params use the expert TP group.
+
+The legacy `GroupedMLP` keeps all local experts in one 2-D weight and its
+forward reads expert e's matrix from the e-th chunk of its memory
+(`weight1.view(E, hidden, -1)`, `weight2.view(E, -1, hidden)`): such a weight
+is shown as that `[E, rows, cols]` stack (a view of its storage, and of its
+main_grad) under `matrix_view="batch"`, so each expert is orthogonalized on
+its own; an expert-TP split of the weight splits every expert's matrix
+(weight1's columns, weight2's rows), so the DTensor view is
+`Shard(partition_dim + 1)` of the stack (docs/design.md, "Expert stacks").
 """
 
 from __future__ import annotations
@@ -18,7 +27,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-__all__ = ["MegatronParam", "classify", "TensorParallelView"]
+__all__ = ["MegatronParam", "classify", "grouped_experts", "TensorParallelView"]
 
 
 class MegatronParam(NamedTuple):
@@ -30,6 +39,7 @@ class MegatronParam(NamedTuple):
     expert: bool
     tp_group: Optional[object]  # its TP (or expert TP) process group; None where not split
     partition_dim: Optional[int]  # dim split over tp_group; None where not split
+    grouped: int = 0  # GroupedMLP weight: its number of local experts (0: not one)
 
     @property
     def tp_size(self) -> int:
@@ -42,9 +52,38 @@ class MegatronParam(NamedTuple):
             shape[self.partition_dim] *= self.tp_size
         return tuple(shape)
 
+    def view_shape(self, full: bool):
+        """The shape Muon sees: the param's (`full`: unsplit), or for a GroupedMLP weight its `[E, rows, cols]`
+        stack of local experts (weight1: `[E, hidden, ffn]`, weight2: `[E, ffn, hidden]`)."""
+        shape = self.full_shape() if full else tuple(self.param.shape)
+        if not self.grouped:
+            return shape
+        rows, cols = shape
+        if self.name.endswith("weight1"):
+            return (self.grouped, rows, cols // self.grouped)
+        return (self.grouped, rows // self.grouped, cols)
 
-def classify(param: torch.nn.Parameter, name: str, pg_collection) -> MegatronParam:
-    """Megatron's Muon rule for `param`, and its TP group where it is split."""
+    def out_in(self, full: bool):
+        """(out, in) features of one matrix (of one expert for a GroupedMLP weight, which stores [in, out]): the
+        shape Megatron's update scale reads."""
+        shape = self.view_shape(full)
+        return tuple(reversed(shape[1:])) if self.grouped else shape
+
+
+def grouped_experts(model_chunks) -> dict:
+    """id(param) -> number of local experts, for the weights of the legacy GroupedMLP modules."""
+    found = {}
+    for chunk in model_chunks:
+        for module in chunk.modules():
+            if type(module).__name__ == "GroupedMLP":
+                for weight in (module.weight1, module.weight2):
+                    found[id(weight)] = module.num_local_experts
+    return found
+
+
+def classify(param: torch.nn.Parameter, name: str, pg_collection, grouped: int = 0) -> MegatronParam:
+    """Megatron's Muon rule for `param`, and its TP group where it is split; `grouped`: its number of local
+    experts if it is a GroupedMLP weight."""
     muon = param.dim() == 2 and not getattr(param, "is_embedding_or_output_parameter", False)
     expert = "experts" in name and "shared" not in name
     group, dim = None, None
@@ -58,28 +97,36 @@ def classify(param: torch.nn.Parameter, name: str, pg_collection) -> MegatronPar
                 # Strided shards interleave rows: the gathered matrix would be a permutation of the true one.
                 raise ValueError(f"muon_ext.megatron: {name} has partition_stride={param.partition_stride}; "
                                  "only stride 1 is supported for Muon params")
-    return MegatronParam(param, name, "muon" if muon else "adamw", expert, group, dim)
+    return MegatronParam(param, name, "muon" if muon else "adamw", expert, group, dim, grouped if muon else 0)
 
 
 class TensorParallelView:
-    """The DTensor view of one TP-split Muon param ("duplicated" mode): a
-    DTensor on a 1-D mesh over the param's TP group, placement
-    Shard(partition_dim), whose local tensor is the Megatron param's storage,
-    and whose `main_grad` is the Megatron main_grad's storage the same way."""
+    """What MuonAdamW holds for a Muon param that is TP-split outside
+    "blockwise" mode, or a GroupedMLP weight (`tensor`). Split: a DTensor on a
+    1-D mesh over the param's TP group, placement Shard(partition_dim) (of the
+    expert stack: partition_dim + 1), whose local tensor is the Megatron
+    param's storage, and whose `main_grad` is the Megatron main_grad's
+    storage the same way. Not split (a GroupedMLP weight at expert TP 1, or
+    "blockwise"): the plain `[E, rows, cols]` view of the storage, with the
+    main_grad's view as its `main_grad`."""
 
     _meshes = {}  # process group -> DeviceMesh: one mesh per group, so that params share exchanges
 
-    def __init__(self, mp: MegatronParam):
+    def __init__(self, mp: MegatronParam, split: bool = True):
         from torch.distributed.tensor import DTensor, Shard
 
         self.source = mp
-        self.mesh = self._mesh(mp.tp_group, mp.param.device.type)
-        self.placements = (Shard(mp.partition_dim),)
-        local = mp.param.detach()
-        self.dtensor = DTensor.from_local(local, self.mesh, self.placements, run_check=False,
-                                          shape=torch.Size(mp.full_shape()), stride=_contiguous_strides(
-                                              mp.full_shape()))
-        self._data_ptr = local.data_ptr()
+        self.split = split and mp.partition_dim is not None
+        local = mp.param.detach().view(mp.view_shape(full=False))
+        self.mesh, self.placements = None, ()
+        if self.split:
+            self.mesh = self._mesh(mp.tp_group, mp.param.device.type)
+            self.placements = (Shard(mp.partition_dim + (1 if mp.grouped else 0)),)
+            full = mp.view_shape(full=True)
+            local = DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=torch.Size(full),
+                                       stride=_contiguous_strides(full))
+        self.tensor = local
+        self._data_ptr = mp.param.data_ptr()
 
     @classmethod
     def _mesh(cls, group, device_type: str):
@@ -100,9 +147,12 @@ class TensorParallelView:
             raise RuntimeError(f"muon_ext.megatron: {self.source.name}'s storage was replaced after the optimizer "
                                "was built (its DTensor view would step stale memory); rebuild the optimizer")
         grad = getattr(p, "main_grad", None)
-        self.dtensor.main_grad = None if grad is None else DTensor.from_local(
-            grad, self.mesh, self.placements, run_check=False, shape=self.dtensor.shape,
-            stride=self.dtensor.stride())
+        if grad is not None:
+            grad = grad.view(self.source.view_shape(full=False))
+        if grad is not None and self.split:
+            grad = DTensor.from_local(grad, self.mesh, self.placements, run_check=False, shape=self.tensor.shape,
+                                      stride=self.tensor.stride())
+        self.tensor.main_grad = grad
 
 
 def _contiguous_strides(shape):

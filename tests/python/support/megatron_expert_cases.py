@@ -390,7 +390,7 @@ def _master(opt, p, group=None) -> torch.Tensor:
     if view is None:
         master = opt.optimizer.get_full_parameter_master(p)
         return master if group is None else torch.cat(_all_parts(master, group), dim=p.partition_dim)
-    master = opt.optimizer.gather_full_parameter_master(view.dtensor)
+    master = opt.optimizer.gather_full_parameter_master(view.tensor)
     if group is None:
         own = view.mesh.get_group()
         master = master.chunk(own.size(), dim=p.partition_dim)[dist.get_rank(own)]

@@ -58,12 +58,36 @@ def single_process(rank, world, folder):
     trainer.close()
 
 
-def resume_exactly(folder, make_config, losses, params):
+def _pipeline_stage(trainer, params, losses, single, rank):
+    """PP = 2, one layer a stage: the stage's MuonAdamW holds exactly its stage's params (the container drops the
+    groups that claim none here: no embeddings on the last stage, no output head on the first), and after
+    STEPS steps they equal the one-process run's to float rounding; the last stage's losses too."""
+    (opt,) = trainer.optimizers.optimizers
+    held = {n for g in opt.param_groups for n in g["param_names"]}
+    fqns = {n.replace("_checkpoint_wrapped_module.", "") for n in params}  # the activation-checkpoint wrapper's
+    assert held == fqns, (rank, sorted(held), sorted(fqns))
+    assert f"layers.{rank}.attention.wo.weight" in held, (rank, sorted(held))
+    assert ("tok_embeddings.weight" in held) == (rank == 0) and ("lm_head.weight" in held) == (rank == 1), held
+    for key, value in params.items():
+        ref = single["params"][key]
+        err = float((value - ref).norm() / ref.norm())
+        assert err < 1e-4, f"PP=2 stage {rank} {key}: relative difference {err:.3g} from one process"
+    if rank == 1:
+        values = [losses[s] for s in sorted(losses)]
+        assert max(abs(a - b) for a, b in zip(values, single["muon"])) < 1e-3, (values, single["muon"])
+
+
+def resume_exactly(folder, make_config, losses, params, run: str = "muon"):
     """torchtitan resumed (`make_config(out)`) from the step-SAVE_AT checkpoint of the run under
-    folder/muon, whose `losses` (steps 1..STEPS) and final `params` it must end on exactly; returns its trainer."""
-    resumed_out = os.path.join(folder, "resumed")
-    shutil.copytree(os.path.join(folder, "muon", "checkpoint", f"step-{SAVE_AT}"),
-                    os.path.join(resumed_out, "checkpoint", f"step-{SAVE_AT}"))
+    folder/`run`, whose `losses` (steps 1..STEPS) and final `params` it must end on exactly; returns its trainer.
+    Collective (rank 0 copies the checkpoint)."""
+    import torch.distributed as dist
+
+    resumed_out = os.path.join(folder, f"resumed_{run}")
+    if dist.get_rank() == 0:
+        shutil.copytree(os.path.join(folder, run, "checkpoint", f"step-{SAVE_AT}"),
+                        os.path.join(resumed_out, "checkpoint", f"step-{SAVE_AT}"))
+    dist.barrier()
     config = make_config(resumed_out)
     config.checkpoint.load_step = SAVE_AT
     trainer, resumed = titan_cpu.train(config)
@@ -76,18 +100,22 @@ def resume_exactly(folder, make_config, losses, params):
 
 def parallel(rank, world, folder):
     """W = 2: MuonAdamW under FSDP (dp_shard=2) and under TP=2 trains with
-    finite, falling losses; at TP=2 (the same data as one process) the params
+    finite, falling losses; at TP=2 and at PP=2 (the same data as one process) the params
     equal the one-process run's to float rounding (TP sums the matmuls in
     another order; the optimizer itself is exact, tests/python/test_distributed.py)."""
     assets = _setup(folder)
     single = torch.load(os.path.join(folder, "single.pt"))
     results = {}
-    for name, dp_shard, tp in (("fsdp2", 2, 1), ("tp2", 1, 2)):
+    for name, dp_shard, tp, pp in (("fsdp2", 2, 1, 1), ("tp2", 1, 2, 1), ("pp2", 1, 1, 2)):
         trainer, losses = titan_cpu.train(titan_cpu.llama3_config(assets, os.path.join(folder, name),
                                                                   optimizer="muon", steps=STEPS, dp_shard=dp_shard,
-                                                                  tp=tp, initial_load_path=_seed(folder)))
-        results[name] = _decreasing(losses, f"MuonAdamW {name}")
+                                                                  tp=tp, pp=pp, initial_load_path=_seed(folder)))
         params = titan_cpu.full_params(trainer)
+        if pp > 1:  # each stage's container holds its stage's params; the loss is known on the last stage
+            _pipeline_stage(trainer, params, losses, single, rank)
+            trainer.close()
+            continue
+        results[name] = _decreasing(losses, f"MuonAdamW {name}")
         trainer.close()
         if name == "tp2":
             for key, value in params.items():

@@ -130,11 +130,12 @@ def write_data(data_dir: str, lines=None, *, count: int = 400, seed: int = 0) ->
 
 
 def llama3_config(assets: dict, out: str, *, optimizer: str, steps: int, dp_shard: int = 1, tp: int = 1,
-                  layers: int = 2, seq_len: int = 64, batch: int = 2, checkpoint_interval: int = 0,
+                  pp: int = 1, layers: int = 2, seq_len: int = 64, batch: int = 2, checkpoint_interval: int = 0,
                   initial_load_path: str = ""):
     """torchtitan's llama3 debug model config (`llama3_debugmodel`), made small
     for a CPU: `layers` transformer layers, `seq_len` tokens, `batch` sequences
-    per data-parallel rank, `steps` steps, FSDP `dp_shard` x TP `tp`, with
+    per data-parallel rank, `steps` steps, FSDP `dp_shard` x TP `tp` x PP `pp`
+    (1F1B, `layers / pp` layers a stage, micro-batches of 1 sequence), with
     MuonAdamW (optimizer "muon") or torchtitan's AdamW ("adamw"), FP32
     params and reductions (exact comparisons), checkpoints every
     `checkpoint_interval` steps under `out` (0: none)."""
@@ -143,6 +144,13 @@ def llama3_config(assets: dict, out: str, *, optimizer: str, steps: int, dp_shar
     config = llama3_debugmodel()
     model = config.model_spec.model
     model.layers = model.layers[:layers]
+    if pp > 1:
+        config.parallelism.pipeline_parallel_degree = pp
+        config.parallelism.pipeline_parallel_schedule = "1F1B"
+        config.parallelism.pipeline_parallel_layers_per_stage = layers // pp
+        config.parallelism.pipeline_parallel_first_stage_less_layers = 0  # embeddings / output count as no layer
+        config.parallelism.pipeline_parallel_last_stage_less_layers = 0
+        config.training.disable_cuda_graphs = True  # torchtitan refuses CUDA graphs with PP (a CPU has none)
     return _small(config, assets, out, optimizer=optimizer, steps=steps, dp_shard=dp_shard, tp=tp, seq_len=seq_len,
                   batch=batch, checkpoint_interval=checkpoint_interval, initial_load_path=initial_load_path)
 

@@ -101,7 +101,9 @@ def parallel(rank, world, folder):
     """W = 2: MuonAdamW under FSDP 2 and under EP 2 (experts Shard(0) over the
     EP dim, everything else FSDP) trains the MoE model from the one-process
     step-0 with finite, falling losses; then, on the params as torchtitan
-    placed them, the optimizer equals one process given the same grads.
+    placed them, the optimizer equals one process given the same grads; EP 2
+    resumed from torchtitan's step-3 checkpoint ends on the very params,
+    expert biases and losses of the run that never stopped.
     W = 4: EP 2 x FSDP 2 with 2 experts, so that torchtitan's expert FSDP
     splits each expert's rows (Shard(1) over efsdp, Shard(0) over ep; its own
     initial values: the seed has 4 experts)."""
@@ -109,8 +111,10 @@ def parallel(rank, world, folder):
     placements = {}
     runs = (("fsdp2", 2, 1, 4), ("ep2", 2, 2, 4)) if world == 2 else (("ep2_fsdp2", 4, 2, 2),)
     for name, dp_shard, ep, experts in runs:
+        resume = name == "ep2"  # checkpointed at SAVE_AT, resumed below
         config = titan_cpu.qwen3_moe_config(assets, os.path.join(folder, name), optimizer="muon", steps=STEPS,
                                             dp_shard=dp_shard, ep=ep, experts=experts,
+                                            checkpoint_interval=SAVE_AT if resume else 0,
                                             initial_load_path=_seed(folder) if experts == 4 else "")
         trainer, losses = titan_cpu.train(config)
         _decreasing(losses, f"MuonAdamW MoE {name}")
@@ -119,6 +123,13 @@ def parallel(rank, world, folder):
         assert all(isinstance(p, DTensor) for p in experts)
         placements[name] = [(tuple(p.device_mesh.mesh_dim_names or ()), tuple(p.placements)) for p in experts]
         assert all(any(pl.is_shard() for pl in p.placements) for p in experts), placements[name]
+        if resume:
+            params, biases = titan_cpu.full_params(trainer), _expert_bias(trainer)
+            trainer.close()
+            trainer = resume_exactly(folder, lambda out: titan_cpu.qwen3_moe_config(
+                assets, out, optimizer="muon", steps=STEPS, dp_shard=dp_shard, ep=ep, checkpoint_interval=100),
+                [losses[s] for s in sorted(losses)], params, run=name)
+            assert all(torch.equal(a, b) for a, b in zip(_expert_bias(trainer), biases)), "resumed expert bias"
         _same_grads_as_one_process(trainer, name)
         trainer.close()
     if rank == 0:
