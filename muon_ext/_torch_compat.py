@@ -25,6 +25,7 @@ __all__ = [
     "PRIVATE_MEMBERS",
     "amp_foreach_non_finite_check_and_unscale_",
     "compute_local_shape_and_global_offset",
+    "foreach_copy_",
     "foreach_mul_",
     "split_tensor",
     "strided_shard",
@@ -53,6 +54,10 @@ PRIVATE_MEMBERS = (
         "torch", "_foreach_mul_",
         "muon_ext.megatron's clip_grad_norm scales all main grads in one multi-tensor kernel, as Megatron-Core's "
         "own clip does; torch has no public foreach API."),
+    PrivateMember(
+        "torch", "_foreach_copy_",
+        "distributed/ownership.py's Ownership.share copies every gathered param out of the all_gather buffer "
+        "in one multi-tensor kernel; torch has no public foreach API."),
     PrivateMember(
         "torch", "_amp_foreach_non_finite_check_and_unscale_",
         "muon_ext.megatron's prepare_grads unscales the fp16 main grads and finds inf/nan in one pass, the kernel "
@@ -104,6 +109,7 @@ def _lazy(owner: str, member: str) -> Any:
 # torch's own functions, bound as they are (the first is read on every op call: no wrapper).
 torch_dispatch_stack_depth = _resolve("torch._C", "_len_torch_dispatch_stack")
 foreach_mul_ = _resolve("torch", "_foreach_mul_")
+foreach_copy_ = _resolve("torch", "_foreach_copy_")
 amp_foreach_non_finite_check_and_unscale_ = _resolve("torch", "_amp_foreach_non_finite_check_and_unscale_")
 
 

@@ -24,9 +24,10 @@ PolarDtype = Literal["bfloat16", "float32", "float16"]
 PolarMethod = Literal["standard", "gram", "auto"]
 
 
-@dataclass
+@dataclass(slots=True)
 class ParamInfo:
-    """How the optimizer treats one param (fixed at construction)."""
+    """How the optimizer treats one param (fixed at construction). Slots: one per param, 200k of them in a
+    large MoE (a per-instance __dict__ would add about 100 bytes each)."""
 
     param: torch.nn.Parameter
     group: int  # index of its param group
@@ -78,10 +79,17 @@ class WorkItem(NamedTuple):
         return None if self.dtensors is None else self.dtensors[0].device_mesh
 
 
+_DTENSOR_TYPE: Any = None  # DTensor, or () where torch has no distributed; imported at the first call
+
+
 def is_dtensor(t) -> bool:
-    """Whether `t` is a torch.distributed DTensor (False where torch has no distributed)."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        return False
-    return isinstance(t, DTensor)
+    """Whether `t` is a torch.distributed DTensor (False where torch has no distributed). Called per param in
+    construction, checkpoints and steps: the class is looked up once (an import statement per call cost
+    about 3 us, a second of construction at 200k params)."""
+    global _DTENSOR_TYPE
+    if _DTENSOR_TYPE is None:
+        try:
+            from torch.distributed.tensor import DTensor as _DTENSOR_TYPE
+        except ImportError:  # pragma: no cover - torch without distributed
+            _DTENSOR_TYPE = ()
+    return isinstance(t, _DTENSOR_TYPE)

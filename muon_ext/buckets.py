@@ -13,7 +13,7 @@ check again what was checked here.
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Mapping, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Mapping, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -81,6 +81,9 @@ class StepPlanner:
         # False when the state lives off the params' device (offload="cpu"):
         # muon_ext.offload checks those entries; params and grads are checked here.
         self.state_rules = True
+        # Under data-parallel ownership (distributed/ownership.py): whether this rank steps a plain param;
+        # the others' are stepped by their owners and arrive after the step. None: every param.
+        self.owns: Optional[Callable[[torch.Tensor], bool]] = None
 
     def invalidate(self) -> None:
         """Re-bucket at the next plan."""
@@ -168,25 +171,47 @@ class StepPlanner:
         that no longer fits the mode is refused only where the master cannot
         be read (remainders need a bfloat16 param), so a cast model's state can
         still be saved and loaded into a new optimizer. Params are recorded
-        in `ranges` (a `_C.MemoryRanges`, when given) as (`tag` + their position, 0)."""
+        in `ranges` (a `_C.MemoryRanges`, when given) as (`tag` + their position, 0). Without `ranges`,
+        consecutive params that a bucket could hold are checked in one C++ call (a checkpoint of 200k tiny
+        params: one call per run, not per param)."""
+        batch: List[ParamInfo] = []
+        batch_key = None
         for position, info in enumerate(infos):
             p = info.param
             if not reading or info.master_mode == "remainder":
                 self._check_master_mode(info)
-            group = groups[info.group]
-            rows, cols, view = 0, 0, ""
-            if info.kind == "muon":
-                rows, cols = matrix_shape(p, group["matrix_view"], info.name)
-                view = group["matrix_view"]
-            rules = _master_rule(info, reading) if info.master_mode != "none" and self.state_rules else ()
-            if all_state and self.state_rules:
-                rules = _moment_rules(info.kind, group, required=False, rows=rows, cols=cols) + rules
             check_released(info, "")
-            result = _C.check_bucket(
-                [p], None, tensors, dtype=p.dtype, device=p.device, rules=rules, rows=rows, cols=cols,
-                matrix_view=view, ranges=ranges, bucket=tag + position, param_data=info.writer is None)
-            if result.index >= 0:
-                self._raise(result.problem, info, result.key, None, _Spec(p.dtype, p.device, rows, cols), tensors, "")
+            # The same shape in the same group: the same matrices (_check_batch finds them for the batch).
+            key = (info.group, p.dtype, p.device, info.master_mode, info.writer is None, p.shape)
+            if ranges is None and key == batch_key:
+                batch.append(info)
+                continue
+            self._check_batch(batch, groups, tensors, all_state, reading, ranges, tag + position - len(batch))
+            batch, batch_key = [info], key
+        self._check_batch(batch, groups, tensors, all_state, reading, ranges, tag + len(infos) - len(batch))
+
+    def _check_batch(self, batch: List[ParamInfo], groups: List[dict], tensors: Mapping, all_state: bool,
+                     reading: bool, ranges, tag: int) -> None:
+        """`check_params`' C++ check of params sharing group, dtype, device, master mode, writer presence and
+        matrix shape (one param where `ranges` records them)."""
+        if not batch:
+            return
+        info, group = batch[0], groups[batch[0].group]
+        p = info.param
+        rows, cols, view = 0, 0, ""
+        if info.kind == "muon":
+            rows, cols = matrix_shape(p, group["matrix_view"], info.name)
+            view = group["matrix_view"]
+        rules = _master_rule(info, reading) if info.master_mode != "none" and self.state_rules else ()
+        if all_state and self.state_rules:
+            rules = _moment_rules(info.kind, group, required=False, rows=rows, cols=cols) + rules
+        result = _C.check_bucket(
+            [i.param for i in batch], None, tensors, dtype=p.dtype, device=p.device, rules=rules, rows=rows,
+            cols=cols, matrix_view=view, ranges=ranges, bucket=tag, param_data=info.writer is None)
+        if result.index >= 0:
+            bad = batch[result.index]
+            other = batch[result.other] if result.other >= 0 else None
+            self._raise(result.problem, bad, result.key, other, _Spec(p.dtype, p.device, rows, cols), tensors, "")
 
     # -- buckets ----------------------------------------------------------
 
@@ -202,6 +227,8 @@ class StepPlanner:
                 p, group = info.param, groups[info.group]
                 if is_dtensor(p):
                     continue  # stepped by distributed/step.py, on local tensors
+                if self.owns is not None and not self.owns(p):
+                    continue  # stepped by its owner rank
                 self._check_master_mode(info)
                 if p.numel() == 0:
                     empty.append(info)  # nothing to update; the kernels refuse zero-sized matrices

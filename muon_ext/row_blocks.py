@@ -255,7 +255,7 @@ def local_runs(blocks: RowBlocks, local_rows: torch.Tensor) -> List[Tuple[int, f
 
 def gram_parts(blocks: Optional[RowBlocks], held_rows: Optional[torch.Tensor], rows: int,
                cols: int) -> List[Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Tuple[int, int]]]:
-    """The matrices a shard orthogonalizes in place (split_polar="gram"), in block order, the same on every
+    """The matrices a shard orthogonalizes in place (split_matrices="in_place"), in block order, the same on every
     rank: [(its local rows, or None for all; its positions along a row split within the block, or None for
     the shard's own; the block's whole shape)]. `held_rows`: the global rows a row-split shard holds, in local
     order (None: the shard holds every row)."""

@@ -152,15 +152,15 @@ class ResidentRunner:
     def _muon(self, item: WorkItem, state: StateLists, inv_scale, found_inf, checked) -> None:
         group, view = item.group, item.group["matrix_view"]
         params, masters = self._kernel_params(item, state)
-        second_moments = []
+        second_momentum_buffers = []
         if group["beta2"] is not None:
-            second_moments = state["second_momentum_buffer"]
-            if second_moments is None:  # beta2 was switched on after construction
+            second_momentum_buffers = state["second_momentum_buffer"]
+            if second_momentum_buffers is None:  # beta2 was switched on after construction
                 for p in item.owners:
                     self.states.init(self.states.info(p), group)
-                second_moments = [local(self.states.tensors[p]["second_momentum_buffer"]) for p in item.owners]
+                second_momentum_buffers = [local(self.states.tensors[p]["second_momentum_buffer"]) for p in item.owners]
         grads, moms = item.grads, state["momentum_buffer"]
         if view == "flatten":  # the only view that is not the tensors themselves
             params, grads, moms, masters = ([as_matrices(t, view) for t in ts] for ts in (params, grads, moms, masters))
-        row_blocks.muon_step(item.blocks, group, params, grads, moms, second_moments, masters, inv_scale=inv_scale,
+        row_blocks.muon_step(item.blocks, group, params, grads, moms, second_momentum_buffers, masters, inv_scale=inv_scale,
                              found_inf=found_inf, max_workspace_bytes=self.max_workspace_bytes, checked=checked)

@@ -206,19 +206,33 @@ def check_hyper(index: int, group: dict) -> None:
     if ns_steps > len(coefficients):
         raise ValueError(f"{where}ns_steps={ns_steps} but only {len(coefficients)} coefficient tuples")
     _check_row_blocks(where, group)
-    if group.get("split_polar", "exchange") not in SPLIT_POLAR:
-        raise ValueError(f"{where}split_polar must be one of {SPLIT_POLAR}, got {group['split_polar']!r}")
-    if group.get("split_polar") == "gram" and group["polar_method"] != "standard":
-        raise ValueError(f"{where}polar_method={group['polar_method']!r} with split_polar='gram': matrices split "
-                         "over ranks are orthogonalized on their shards by the standard iteration (one Gram "
-                         "all_reduce per iteration); set polar_method='standard', or split_polar='exchange' to "
+    if group.get("split_matrices", "gather") not in SPLIT_MATRICES:
+        raise ValueError(f"{where}split_matrices must be one of {SPLIT_MATRICES}, got {group['split_matrices']!r}")
+    if group.get("split_matrices") == "in_place" and group["polar_method"] != "standard":
+        raise ValueError(f"{where}polar_method={group['polar_method']!r} with split_matrices='in_place': matrices "
+                         "split over ranks are orthogonalized on their shards by the standard iteration (one Gram "
+                         "all_reduce per iteration); set polar_method='standard', or split_matrices='gather' to "
                          "orthogonalize each matrix whole on one rank")
 
 
-# How a DTensor Muon matrix split over one mesh dim is orthogonalized (optional key, absent = "exchange"):
-# gathered whole at an owner rank, or in place by Gram all_reduces (distributed/tp_polar.py; in polar_dtype,
-# polar_method "standard" only).
-SPLIT_POLAR = ("exchange", "gram")
+# How a DTensor Muon matrix split over one mesh dim is orthogonalized (optional key, absent = "gather"):
+# gathered whole at an owner rank, or in place on its shards by Gram all_reduces (distributed/tp_polar.py;
+# in polar_dtype, polar_method "standard" only).
+SPLIT_MATRICES = ("gather", "in_place")
+# The key's earlier name and values, still accepted (groups and checkpoints of earlier versions).
+_LEGACY_SPLIT_POLAR = {"exchange": "gather", "gram": "in_place"}
+
+
+def rename_legacy_keys(where: str, group: dict) -> None:
+    """A group (or a saved group) written with earlier key names, in place under today's: `split_polar`
+    ("exchange" / "gram") is `split_matrices` ("gather" / "in_place")."""
+    if "split_polar" not in group:
+        return
+    value = group.pop("split_polar")
+    if value not in _LEGACY_SPLIT_POLAR:
+        raise ValueError(f"{where}split_polar (now split_matrices) must be one of {tuple(_LEGACY_SPLIT_POLAR)}, "
+                         f"got {value!r}")
+    group.setdefault("split_matrices", _LEGACY_SPLIT_POLAR[value])
 
 
 def _check_row_blocks(where: str, group: dict) -> None:
@@ -264,6 +278,7 @@ def new_group(index: int, param_group: dict) -> Tuple[dict, List[Optional[str]]]
     names = list(group.get("param_names", [])) or [None] * len(params)
     if len(names) != len(params):
         raise ValueError(f"param group {index}: {len(names)} param_names for {len(params)} params")
+    rename_legacy_keys(f"param group {index}: ", group)
     for key, value in DEFAULTS[kind].items():
         group.setdefault(key, value)
     group["params"] = params

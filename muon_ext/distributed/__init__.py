@@ -6,7 +6,8 @@ matrix once and their process group; `state`: DTensor optimizer state and
 the update_param rule for DTensor values; `exchange`: owner assignment and
 the all_to_all / all_gather of Muon matrices; `tp_polar`: the collectives
 of split matrices orthogonalized in place; `agreement`: cross-rank agreement
-of settings and refusals; `step`: checks, the agreement collective and the
-DTensor params' work items. This file imports nothing, so that `param_rules`
+of settings and refusals; `ownership`: data-parallel ownership of plain
+params; `step`: checks, the agreement collective and the DTensor params'
+work items. This file imports nothing, so that `param_rules`
 and `state` can import `placements` without a cycle through `step`.
 """

@@ -36,7 +36,7 @@ __all__ = ["SETTINGS", "group_digests", "agree", "agree_over_params", "step_dige
 # and CPU_POLAR_GEMM: not a group key but this rank's CPU BF16 GEMM path for the group (see cpu_polar_gemm).
 CPU_POLAR_GEMM = "cpu_polar_gemm"
 SETTINGS: Tuple[str, ...] = ("kind", "params") + tuple(sorted(set(DEFAULTS["muon"]) | set(DEFAULTS["adamw"]))) + (
-    "row_blocks", "row_block_scales", "split_polar", CPU_POLAR_GEMM)
+    "row_blocks", "row_block_scales", "split_matrices", CPU_POLAR_GEMM)
 
 # Not in the step's digest: the params' layout cannot change after construction (the planner refuses
 # edited groups) and costs O(params) to hash. The lr is in it (a scheduler stepped on one rank only would let

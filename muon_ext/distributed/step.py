@@ -30,6 +30,7 @@ from ..buckets import PlannedItem
 from ..schema import SUPPORTED_DTYPES
 from .agreement import device_lr_digest, step_digest
 from .exchange import exchange_replicated, exchange_sharded
+from .ownership import polar_flops
 from .placements import Layout, dim_indices, expected_local_shape, is_split, layout_of, local, matrix_layout
 from .stacks import matrices
 from .shard_group import ShardGroup, shard_group
@@ -273,7 +274,7 @@ class DistributedStep:
             if not layout.split_dims and not layout.replicate_dims:  # every matrix whole, no one to share with
                 items += _local_items(bucket, group, entries, tensors, _MUON_KEYS, blocks)
             elif len(layout.split_dims) == 1 and not layout.replicate_dims and not stack and \
-                    group.get("split_polar", "exchange") == "gram":
+                    group.get("split_matrices", "gather") == "in_place":
                 key = (layout.mesh, layout.split_dims[0])
                 if key not in in_place:  # one item for all of them, where the first of them is
                     in_place[key] = WorkItem(bucket, group, [], [], None, [], InPlaceExchange(self, []))
@@ -352,7 +353,7 @@ class DistributedStep:
         def orthogonalize_matrices(whole: List[torch.Tensor], whole_stats: List[torch.Tensor]) -> None:
             ops.muon_orthogonalize(whole, whole_stats, max_workspace_bytes=max_workspace_bytes, found_inf=found_inf,
                                    **op_arguments.muon_orthogonalize(group))
-            self.polar_flops += len(whole) * _polar_flops(*whole[0].shape[-2:], group["ns_steps"])
+            self.polar_flops += len(whole) * polar_flops(*whole[0].shape[-2:], group["ns_steps"])
 
         def orthogonalize(whole: List[torch.Tensor], whole_stats: List[torch.Tensor]) -> None:
             row_blocks.orthogonalize_blocks(blocks, whole, whole_stats, orthogonalize_matrices)
@@ -377,7 +378,7 @@ class DistributedStep:
         self._apply(sub, mat, updates, states.tensors, found_inf)
 
     def _muon_in_place(self, subs: List["MuonMatrices"], states, inv_scale, found_inf) -> None:
-        """split_polar="gram": every matrix (every row block) of `subs`, all split over one mesh dim,
+        """split_matrices="in_place": every matrix (every row block) of `subs`, all split over one mesh dim,
         orthogonalized where it lies, then NorMuon with the whole matrix's statistics: no rank gathers a matrix
         (docs/design.md, "Split matrices orthogonalized in place"). The collectives of all of them are joined
         (tp_polar.py): ns_steps + 2 all_reduces per step, whatever the number of matrices and groups."""
@@ -403,7 +404,7 @@ class DistributedStep:
                 x = torch.stack([u if local_rows is None else u.index_select(0, local_rows) for u in updates])
                 batches.append(ShardedBatch(x, shard_dim, iterations["ns_coefficients"], iterations["ns_steps"],
                                             iterations["polar_dtype"]))
-                self.polar_flops += len(updates) * _polar_flops(*shape, iterations["ns_steps"])
+                self.polar_flops += len(updates) * polar_flops(*shape, iterations["ns_steps"])
                 normuon += [NormuonShard(x[i], per_block_stats[i][k], shape, shard_dim,
                                          held if along is None else along, group["beta2"], stats_local)
                             for i in range(len(updates)) if stats]
@@ -449,7 +450,7 @@ class MuonExchange(NamedTuple):
 
 
 class InPlaceExchange(NamedTuple):
-    """No rows travel (WorkItem.exchange for split_polar="gram"): every matrix split over one mesh dim is
+    """No rows travel (WorkItem.exchange for split_matrices="in_place"): every matrix split over one mesh dim is
     orthogonalized on its shards by Gram all_reduces, all of the step's such matrices together, by
     `DistributedStep._muon_in_place`."""
 
@@ -508,11 +509,6 @@ def agree_on_checks(param, checks: Callable[[], None], what: str) -> None:
     if int(refused.item()):
         raise RuntimeError(f"{what}: refused on another rank of the mesh (see its error); nothing was written on "
                            "any rank")
-
-
-def _polar_flops(rows: int, cols: int, steps: int) -> int:
-    m, n = min(rows, cols), max(rows, cols)
-    return steps * (4 * m * m * n + 2 * m ** 3)
 
 
 def _placements_code(placements) -> int:

@@ -252,7 +252,27 @@ def lr_edited_on_one_rank_is_refused_on_every_rank(rank, world, mesh):
         assert torch.equal(parts[0], parts[1])
 
 
-CASES = [row_block_scales_out_of_range_are_refused_on_every_rank, lr_edited_on_one_rank_is_refused_on_every_rank,
+def update_local_masters_agrees_over_its_process_group(rank, world, mesh):
+    """update_local_masters writes each rank's own shard without a collective over the param's mesh; with a
+    process group, a refusal on one rank (NaN values there) raises on every rank before any rank writes."""
+    w = torch.nn.Parameter(dtensor(_values((8, 6), 30), mesh, [Shard(0)]))
+    plain = torch.nn.Parameter(_values((4,), 31))
+    opt = MuonAdamW([{"params": [w], "kind": "muon"}, {"params": [plain], "kind": "adamw"}], adapters=False)
+    before = snapshot(opt)
+    mine = opt.get_local_master(w) * 0.5
+    bad = mine.clone()
+    if rank == 1:
+        bad[0, 0] = float("nan")
+    _expect_everywhere(rank, lambda: opt.update_local_masters([plain, w], [plain.detach() * 2, bad],
+                                                              process_group=dist.group.WORLD),
+                       "NaN or inf", r"update_local_masters: refused on another rank", on_ranks=[1])
+    assert snapshot(opt) == before
+    opt.update_local_masters([plain, w], [plain.detach() * 2, mine], process_group=dist.group.WORLD)
+    assert torch.equal(opt.get_local_master(w), mine) and torch.equal(w.to_local(), mine)
+    assert torch.equal(opt.gather_full_parameter_master(w), _values((8, 6), 30) * 0.5)
+
+
+CASES = [update_local_masters_agrees_over_its_process_group, row_block_scales_out_of_range_are_refused_on_every_rank, lr_edited_on_one_rank_is_refused_on_every_rank,
          zero_size_dtensor_params_are_skipped, writer_failing_on_one_rank_raises_on_every_rank,
          differing_settings_are_refused_at_construction, step_refuses_divergent_settings_and_one_sided_grad_scaler,
          load_and_add_param_group_refuse_on_every_rank]
