@@ -134,7 +134,8 @@ def _extension():
     _write_build_info(with_cuda)
 
     macros = [f"-DMUON_EXT_HAVE_{isa}" for isa, _ in _isa_variants() if isa != "DEFAULT"]
-    sources = ["csrc/bindings.cpp", "csrc/ops.cpp", "csrc/checks.cpp", "csrc/step_checks.cpp", "csrc/cpu/adamw_cpu.cpp", "csrc/cpu/muon_cpu.cpp", "csrc/cpu/bf16_tile_gemm.cpp",
+    sources = ["csrc/bindings.cpp", "csrc/ops.cpp", "csrc/checks.cpp", "csrc/step_checks.cpp", "csrc/cpu/adamw_cpu.cpp", "csrc/cpu/muon_cpu.cpp",
+               "csrc/cpu/muon_small_step_cpu.cpp", "csrc/cpu/polar_express_cpu.cpp", "csrc/cpu/bf16_tile_gemm.cpp",
                "csrc/cpu/polar_small.cpp", "csrc/cpu/scratch_pool.cpp",
                "csrc/cpu/remainder_cpu.cpp", "csrc/cpu/parallel_probe.cpp", "csrc/quantize_ops.cpp",
                "csrc/cpu/quantize_cpu.cpp", "csrc/sharded_polar_ops.cpp"]

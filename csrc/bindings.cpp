@@ -27,7 +27,7 @@
 #include "cpu/adamw_cpu.h"
 #include "cpu/bf16_tile_gemm.h"
 #include "cpu/scratch_pool.h"
-#include "cpu/muon_cpu.h"
+#include "cpu/polar_express_cpu.h"
 #include "cpu/parallel_probe.h"
 
 namespace muon_ext {

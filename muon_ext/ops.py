@@ -14,7 +14,7 @@ from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from . import _C
+from . import _C, _torch_compat
 
 __all__ = [
     "adamw_step",
@@ -353,7 +353,7 @@ def _entry(name: str, first: torch.Tensor, checked):
     ~70 ns per list entry of a torch.ops call's generic argument conversion and
     takes the step check's token (csrc/ops.h; docs/design.md, "Ops (torch.library)")."""
     if (type(first) in _PLAIN_TENSOR_TYPES and not torch.compiler.is_compiling()
-            and torch._C._len_torch_dispatch_stack() == 0):
+            and _torch_compat.torch_dispatch_stack_depth() == 0):
         return getattr(_C, name), {"checked": checked}
     return getattr(_ops, name), {}
 

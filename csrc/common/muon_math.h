@@ -80,7 +80,7 @@ MUON_HD float muon_momentum(float& mom, float grad, float mu, bool nesterov) {
 
 // muon_momentum with lerp's forms (kMomentumForm: lerp_uses_small_form(1 - mu),
 // kNesterovForm: lerp_uses_small_form(mu)) and nesterov fixed: the same
-// operations, for loops that decide them once (cpu/muon_cpu.cpp).
+// operations, for loops that decide them once (cpu/muon_elementwise.h).
 template <bool kMomentumForm, bool kNesterovForm, bool kNesterov>
 MUON_HD_ALWAYS_INLINE float muon_momentum_in_form(float& mom, float grad, float mu) {
   mom = lerp_in_form<kMomentumForm>(mom, grad, 1.0f - mu);

@@ -1,18 +1,12 @@
 // CPU Muon kernels: the same passes as the CUDA path; the Polar-Express GEMMs
-// in BF16 (the CUDA rounding) or FP32, by the op's polar_dtype.
+// in BF16 (the CUDA rounding) or FP32, by the op's polar_dtype
+// (polar_express_cpu.h).
 #pragma once
 
 #include "../muon_args.h"
 
 namespace muon_ext {
 namespace cpu {
-
-// How BF16 Polar-Express GEMMs run on this CPU, decided once per process:
-// kNativeBf16 where the CPU has a BF16 GEMM (AVX-512 BF16 or AMX: oneDNN on BF16
-// buffers), else kRoundedFp32 (FP32 GEMMs on BF16 values, outputs rounded).
-// MUON_EXT_CPU_BF16_GEMM=native|rounded forces one (tests).
-enum class PolarGemm { kNativeBf16, kRoundedFp32 };
-PolarGemm polar_bf16_gemm();
 
 // One Muon step on a validated bucket of CPU tensors.  A nonzero found_inf
 // must be handled by the caller (it must not call).

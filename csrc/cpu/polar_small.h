@@ -80,7 +80,7 @@ class PolarSmallScratch {
 // The iterations on `count` contiguous FP32 [rows, cols] matrices at xs, in
 // place, on the calling thread, group by group. With scale_by_input_norm,
 // each matrix enters as x * polar_input_scale(its sum of squares), computed
-// in the lanes (muon_cpu.cpp's sum_of_squares, lane by lane: the same bits); abc
+// in the lanes (muon_elementwise.h's sum_of_squares, lane by lane: the same bits); abc
 // holds `steps` (a, b, c) triples; with normuon (stat_length <=
 // kSmallNorMuonMaxStats), NorMuon follows in the lanes; prefetch may be
 // null; scratch has polar_small_scratch_floats().

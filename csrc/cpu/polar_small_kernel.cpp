@@ -420,7 +420,7 @@ __attribute__((always_inline)) inline void iterate_group_gram(
 }
 
 // Sum of squares of x[0], x[stride], ... (count of them) per lane, in double:
-// muon_cpu.cpp's sum_of_squares lane by lane (eight interleaved accumulators,
+// muon_elementwise.h's sum_of_squares lane by lane (eight interleaved accumulators,
 // the tail into the first, combined in the same fixed order), so the same bits.
 __attribute__((always_inline)) inline LaneDoubles lane_sum_of_squares(const Lanes* x, int64_t stride,
                                                                       int64_t count) {
@@ -472,7 +472,7 @@ struct LaneMath {
 };
 
 // NorMuon on a group in lanes, then x times each lane's multipliers:
-// muon_cpu.cpp's normuon_matrix_multipliers and fold, lane by lane, the
+// muon_elementwise.h's normuon_matrix_multipliers and fold, lane by lane, the
 // per-element rules from csrc/common/muon_math.h. Lane m's second moments are
 // at second_moments[m] (members lanes). Scratch: sums [len] doubles (then
 // the second moments in lanes), vm and mult [len] Lanes.

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .._shapes import matrix_shape
+from .._torch_compat import foreach_copy_
 from .._types import ParamInfo
 
 T = TypeVar("T")
@@ -166,7 +167,7 @@ class Ownership:
             targets, offsets = theirs
             if targets:
                 sources = [gathered[at:at + p.numel()] for p, at in zip(targets, offsets)]
-                torch._foreach_copy_([p.data.view(-1) for p in targets], sources)
+                foreach_copy_([p.data.view(-1) for p in targets], sources)
         self.bytes_sent += sent
         return sent
 

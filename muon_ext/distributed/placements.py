@@ -25,6 +25,7 @@ from typing import List, NamedTuple, Optional, Tuple, Union
 
 import torch
 
+from .._torch_compat import compute_local_shape_and_global_offset, split_tensor, strided_shard
 from .._types import is_dtensor
 
 __all__ = ["Layout", "Ranks", "check_param", "layout_of", "matrix_layout", "is_stack", "local", "holds_full",
@@ -45,9 +46,9 @@ class Ranks(NamedTuple):
 def is_split(placement) -> bool:
     """Whether the placement splits a tensor dim (`Shard`, `_StridedShard`; in torch 2.14 the latter is no Shard)."""
     from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
+    StridedShard = strided_shard()
 
-    return isinstance(placement, (Shard, _StridedShard))
+    return isinstance(placement, (Shard, StridedShard))
 
 
 class Layout(NamedTuple):
@@ -102,7 +103,7 @@ def matrix_layout(p, matrix_view: str) -> Tuple[Layout, Tuple[int, ...]]:
     if not is_stack(p, matrix_view):
         return layout_of(p), tuple(p.shape)
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
+    StridedShard = strided_shard()
 
     lead = p.dim() - 2
     placements, independent = [], []
@@ -112,8 +113,8 @@ def matrix_layout(p, matrix_view: str) -> Tuple[Layout, Tuple[int, ...]]:
         elif pl.dim < lead:
             placements.append(Replicate())
             independent.append(mesh_dim)
-        elif isinstance(pl, _StridedShard):
-            placements.append(_StridedShard(pl.dim - lead, split_factor=pl.split_factor))
+        elif isinstance(pl, StridedShard):
+            placements.append(StridedShard(pl.dim - lead, split_factor=pl.split_factor))
         else:
             placements.append(Shard(pl.dim - lead))
     return Layout(p.device_mesh, tuple(placements), tuple(independent)), tuple(p.shape[-2:])
@@ -138,14 +139,14 @@ def dim_indices(size: int, tensor_dim: int, mesh_shape, placements, coordinate) 
     mesh `coordinate`, in local order: DTensor's splits replayed, left to
     right over the mesh dims, on an index vector (no communication)."""
     from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
+    StridedShard = strided_shard()
 
     index = torch.arange(size)
     for mesh_dim, pl in enumerate(placements):
         if not is_split(pl) or pl.dim != tensor_dim:
             continue
-        on_vector = _StridedShard(0, split_factor=pl.split_factor) if isinstance(pl, _StridedShard) else Shard(0)
-        pieces, _ = on_vector._split_tensor(index, mesh_shape[mesh_dim], with_padding=False, contiguous=True)
+        on_vector = StridedShard(0, split_factor=pl.split_factor) if isinstance(pl, StridedShard) else Shard(0)
+        pieces, _ = split_tensor(on_vector, index, mesh_shape[mesh_dim], with_padding=False, contiguous=True)
         index = pieces[coordinate[mesh_dim]] if coordinate[mesh_dim] < len(pieces) else index[:0]
     return index
 
@@ -163,8 +164,6 @@ def index_set(index: torch.Tensor) -> IndexSet:
 
 def expected_local_shape(p) -> Tuple[int, ...]:
     """The local shape DTensor's rules give this rank for the DTensor `p`."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     return tuple(compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements, skip_offset=True)[0])
 
 

@@ -53,7 +53,7 @@ def shard_group(layout: Layout, shape: Tuple[int, ...]) -> ShardGroup:
     if len(split) == 1:
         group = mesh.get_group(split[0])
     else:
-        key = (id(dist.distributed_c10d._get_default_group()), tuple(sorted(r for r, _ in members)))
+        key = (id(dist.group.WORLD), tuple(sorted(r for r, _ in members)))
         if key not in _PRODUCT_GROUPS:
             _PRODUCT_GROUPS[key] = dist.new_group(list(key[1]), use_local_synchronization=True)
         group = _PRODUCT_GROUPS[key]

@@ -19,6 +19,7 @@ import torch
 
 from .._types import ParamInfo, is_dtensor
 from .. import ops
+from .._torch_compat import compute_local_shape_and_global_offset
 from .._shapes import matrix_shape, muon_stats_shape, stats_per_row
 from .placements import is_split, layout_of, local
 
@@ -48,8 +49,6 @@ def _placements(p, shape, like_param: bool, rows_only: bool) -> tuple:
 
 def stats_local_shape(p, group: dict) -> tuple:
     """This rank's local shape of the Muon param `p`'s NorMuon statistics (placed as `zeros` places them)."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
     shape = muon_stats_shape(p, group)
     placements = _placements(p, shape, stats_follow_rows(p, group), True)
     return tuple(compute_local_shape_and_global_offset(shape, p.device_mesh, placements, skip_offset=True)[0])
@@ -62,7 +61,6 @@ def zeros(p, shape, dtype: torch.dtype, like_param: bool = True, rows_only: bool
     statistics: each rank holds its rows') and of a stack's leading dims (each
     rank holds its matrices'); replicated otherwise."""
     from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     shape = tuple(shape)
     layout = layout_of(p)

@@ -24,6 +24,7 @@ from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 from megatron.core.transformer.module import param_is_not_shared
 
 from .. import MuonAdamW, row_blocks
+from .._torch_compat import amp_foreach_non_finite_check_and_unscale_, foreach_mul_
 from ..distributed.placements import local
 from . import config as cfg
 from .params import MegatronParam, TensorParallelView
@@ -196,7 +197,7 @@ class MegatronMuonAdamW(MegatronOptimizer):
         grad_norm = self.get_grad_norm()
         clip_coeff = clip_grad / (grad_norm + 1.0e-6)
         if clip_coeff < 1.0:
-            torch._foreach_mul_(self._main_grads(), clip_coeff)
+            foreach_mul_(self._main_grads(), clip_coeff)
         return grad_norm
 
     @torch.no_grad()
@@ -224,7 +225,7 @@ class MegatronMuonAdamW(MegatronOptimizer):
             self.found_inf.fill_(0.0)
             grads = self._main_grads(experts=experts)
             if grads:
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, self.found_inf, self.grad_scaler.inv_scale)
+                amp_foreach_non_finite_check_and_unscale_(grads, self.found_inf, self.grad_scaler.inv_scale)
             torch.distributed.all_reduce(self.found_inf, op=torch.distributed.ReduceOp.MAX, group=group)
             found_inf |= self.found_inf.item() > 0
         self.grad_scaler.update(found_inf)

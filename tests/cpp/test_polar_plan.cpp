@@ -146,7 +146,7 @@ std::set<std::pair<int, int64_t>> elements(const PolarView& v) {
   return out;
 }
 
-// The CPU's staged plan (row panels, csrc/cpu/muon_cpu.cpp): run stage by
+// The CPU's staged plan (row panels, csrc/cpu/polar_express_cpu.cpp): run stage by
 // stage, each GEMM stage's panels in the given order, it computes the
 // iteration; its GEMM stages are independent (no panel writes what another
 // panel of the stage reads or writes), which is what lets the CPU run them on

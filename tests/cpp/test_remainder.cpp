@@ -114,9 +114,10 @@ TEST(Remainder, SplitFollowsRuleAllPatterns) {
   EXPECT_EQ(r.failures, 0u) << "first pattern split against the rule: " << hex32(r.first);
 }
 
-// The contract of issue #9: the BF16 param the model computes with is a NaN
-// exactly when the FP32 master is (every payload, both signs), and the float
-// API gives the same bits (no quieting or canonicalisation on the way).
+// The NaN contract (docs/design.md, "Master weights and remainders"): the
+// BF16 param the model computes with is a NaN exactly when the FP32 master is
+// (every payload, both signs), and the float API gives the same bits (no
+// quieting or canonicalisation on the way).
 TEST(Remainder, ParamIsNanExactlyWhenMasterIsAllPatterns) {
   const SweepResult r = sweep_all_patterns([](uint32_t b) {
     const RemainderSplit s = split_master_bits(b);

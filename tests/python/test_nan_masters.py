@@ -1,5 +1,5 @@
 """A NaN FP32 master always shows as a NaN BF16 param in remainder mode, on
-every NaN payload (issue #9; docs/design.md, "Master weights and remainders").
+every NaN payload (docs/design.md, "Master weights and remainders").
 
 TransformerEngine's split rule hides 2^17 - 2 NaN patterns: a carry wraps the
 high half 0x7FFF into the sign bit (0x7FFFFFFF, the NaN CUDA produces, became
@@ -131,8 +131,8 @@ def test_muon_kernels_write_nan_params_for_nan_masters(shape):
 
 
 def _update_param_kwargs(opt):
-    # update_param refuses non-finite values by default once issue #9's check
-    # lands; the opt-out keeps this test about the split.
+    # update_param refuses non-finite values by default; the opt-out keeps
+    # this test about the split.
     return {"allow_nonfinite": True} if "allow_nonfinite" in inspect.signature(opt.update_param).parameters else {}
 
 

@@ -1,5 +1,5 @@
 """The CPU kernels run on torch's threads, and their bits do not depend on how
-many (issue #10; docs/design.md, "CPU kernels").
+many (docs/design.md, "CPU kernels").
 
 Compiled without torch's OpenMP flags, `at::parallel_for` takes ATen's serial
 branch and every kernel runs on one thread, silently. Three checks catch that:

@@ -121,7 +121,7 @@ def test_every_instruction_set_gives_the_same_bits(capability):
     assert baseline_used == "DEFAULT" and checksum == baseline
 
 
-# The fused small-matrix step (csrc/cpu/muon_cpu.cpp, small_step_kernel): one
+# The fused small-matrix step (csrc/cpu/muon_small_step_cpu.cpp, small_step): one
 # pass per run of 256 / 64 / ... matrices, across params. Its bits must be the
 # unfused passes' (the three phase ops run those), whatever the run, lane,
 # thread count or address of a matrix.

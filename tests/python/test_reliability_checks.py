@@ -1,4 +1,4 @@
-"""Reliability (issue #9): nothing is read out of bounds, no step is half
+"""Reliability of single calls: nothing is read out of bounds, no step is half
 applied, a model cast after the optimizer was built is refused, update_param
 refuses non-finite values, and the ops name a list entry that is not a tensor.
 

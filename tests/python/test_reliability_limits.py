@@ -1,5 +1,5 @@
-"""Sizes and inputs the API accepts at construction or load, checked there
-(issue 21): offload sizes against the memory there is, huge slot sizes that
+"""Sizes and inputs the API accepts at construction or load, checked there:
+offload sizes against the memory there is, huge slot sizes that
 fit, int16 remainders for quantized params refused with the right reason."""
 
 from __future__ import annotations

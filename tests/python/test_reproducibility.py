@@ -1,4 +1,4 @@
-"""CPU results do not depend on the thread count (issue #9; README,
+"""CPU results do not depend on the thread count (README,
 "Reproducibility"; docs/design.md, "Rounding contract").
 
 MKL's threaded GEMM splits its work by thread count and the split changes the
@@ -88,7 +88,7 @@ def test_muon_step_bits_do_not_depend_on_threads(shape):
 @pytest.mark.parametrize("stack", [(300, 8, 8), (5000, 1, 1), (200, 3, 7)], ids=lambda s: "x".join(map(str, s)))
 def test_fused_small_step_bits_do_not_depend_on_threads(stack):
     """One batch-view param of many small matrices: the fused small-matrix step
-    hands runs of them to the threads (csrc/cpu/muon_cpu.cpp, small_step_kernel)."""
+    hands runs of them to the threads (csrc/cpu/muon_small_step_cpu.cpp, small_step)."""
     params, grads, moms, smbs, masters = muon_bucket(stack, 1, seed=9, master_mode="remainder")
 
     def run():

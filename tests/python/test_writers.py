@@ -293,7 +293,7 @@ def test_writer_in_the_staged_path(buffer_count):
 
 
 def test_fp8_writer_keeps_an_inference_copy_of_a_released_param():
-    # The use case: BF16 expert weights released, the FP8 copy (DeepSeek block layout) written each step.
+    # The use case writers serve: BF16 expert weights released, the FP8 copy (DeepSeek block layout) written each step.
     from muon_ext import quantized, reference
 
     shapes = [(160, 136), (160, 136), (12,)]

@@ -126,7 +126,7 @@ def writer_failing_on_one_rank_raises_on_every_rank(rank, world, mesh):
 
 def differing_settings_are_refused_at_construction(rank, world, mesh):
     w = torch.nn.Parameter(dtensor(_values((8, 6), 3), mesh, [Shard(0)]))
-    beta2 = None if rank == 1 else 0.95  # the gloo SIGABRT ("Received data size doesn't match") of the issue
+    beta2 = None if rank == 1 else 0.95  # once a gloo SIGABRT ("Received data size doesn't match")
     _expect_everywhere(rank, lambda: MuonAdamW([{"params": [w], "kind": "muon", "beta2": beta2}], adapters=False),
                        r"param group 0 differs across ranks in setting 'beta2': ranks \[0\] vs \[1\]", "")
     shape = (8, 6) if rank == 0 else (8, 7)  # another model on rank 1

@@ -1,7 +1,7 @@
 """Running torchtitan 0.3.0's llama3 debug model on CPU with gloo, for the
 tests (test-side patches only; nothing here is part of muon_ext).
 
-What torchtitan needs on a CPU-only host (issue 23):
+What torchtitan needs on a CPU-only host:
 * `torch._utils._get_available_device_type` must say "cpu" before torchtitan
   is imported (`tools/utils.py` falls back to "cuda");
 * `torch.cpu` lacks the device-name and memory functions the metrics'

@@ -1,7 +1,8 @@
-"""Regression tests for the single-process reliability repros (rounds 2 and 3):
-each call either completes or raises with nothing changed; writer failures are
-reported after the call completed, the same resident and staged; row-block
-settings are checked before any write, like every other setting."""
+"""Every call completes or changes nothing, in one process (docs/design.md,
+"Every call completes or changes nothing"): each call either completes or
+raises with nothing changed; writer failures are reported after the call
+completed, the same resident and staged; row-block settings are checked
+before any write, like every other setting."""
 
 from __future__ import annotations
 
