@@ -137,7 +137,7 @@ def _extension():
     sources = ["csrc/bindings.cpp", "csrc/ops.cpp", "csrc/checks.cpp", "csrc/step_checks.cpp", "csrc/cpu/adamw_cpu.cpp", "csrc/cpu/muon_cpu.cpp", "csrc/cpu/bf16_tile_gemm.cpp",
                "csrc/cpu/polar_small.cpp", "csrc/cpu/scratch_pool.cpp",
                "csrc/cpu/remainder_cpu.cpp", "csrc/cpu/parallel_probe.cpp", "csrc/quantize_ops.cpp",
-               "csrc/cpu/quantize_cpu.cpp"]
+               "csrc/cpu/quantize_cpu.cpp", "csrc/sharded_polar_ops.cpp"]
     include_dirs = [str(CSRC)]
     cxx_flags = CXX_FLAGS + macros
     if with_cuda:

@@ -626,6 +626,19 @@ TORCH_LIBRARY(muon_ext, m) {
   m.def(
       "quantize_fp8(Tensor master, int[]? block, Tensor(a!) out, Tensor(b!) out_scale_inv, Tensor? found_inf) "
       "-> ()");
+  // Split matrices orthogonalized in place between collectives (csrc/sharded_polar_ops.cpp).
+  m.def("sharded_polar_norms(Tensor x, Tensor(a!) sum_squares) -> ()");
+  m.def("sharded_polar_scale(Tensor(a!) x, Tensor sum_squares, *, str polar_dtype) -> ()");
+  m.def("sharded_polar_gram(Tensor x, Tensor(a!) gram, *, int shard_dim, str polar_dtype) -> ()");
+  m.def(
+      "sharded_polar_iterate(Tensor(a!) x, Tensor gram, *, float a, float b, float c, int shard_dim, "
+      "str polar_dtype) -> ()");
+  m.def(
+      "sharded_normuon_partial(Tensor x, Tensor(a!) stats, Tensor(b!) payload, *, int rows, int cols, "
+      "int shard_dim, Tensor? held, float beta2, bool stats_local) -> ()");
+  m.def(
+      "sharded_normuon_finish(Tensor(a!) x, Tensor(b!) stats, Tensor payload, *, int rows, int cols, "
+      "int shard_dim, Tensor? held, float beta2, bool stats_local) -> ()");
 }
 
 namespace muon_ext {

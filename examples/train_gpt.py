@@ -7,6 +7,7 @@ the whole list.
 
     python examples/train_gpt.py                    # MuonAdamW, 300 steps: under a minute on 2 CPU cores
     python examples/train_gpt.py --compare          # MuonAdamW, torch AdamW, torch Muon on identical data
+    python examples/train_gpt.py --muon-lr 0.01     # Muon's own lr (the two-lr form) instead of one lr
     python examples/train_gpt.py --precision bf16   # BF16 params + FP32 main_grad (Megatron)
     python examples/train_gpt.py --resume           # continue from runs/<name>/<run>.pt
 
@@ -162,6 +163,8 @@ def clip_by_global_norm(grads: List[torch.Tensor], max_norm: float) -> torch.Ten
 def build_optimizers(model: nn.Module, args) -> List[torch.optim.Optimizer]:
     """The optimizer(s) of one run, all on the same split of the model's params:
     hidden matrices (Muon's) and embeddings, head and norms (AdamW's)."""
+    # One lr (the default, docs/guide.md "One learning rate"): --lr serves both kinds, Muon's updates scaled to
+    # AdamW's RMS; --muon-lr gives Muon its own lr on its own scale (the two-lr form).
     groups = muon_ext.param_groups(model, lr=args.muon_lr, adamw_lr=args.adamw_lr, weight_decay=args.weight_decay,
                                    adamw_weight_decay=0.0)
     matrices = next(g for g in groups if g["kind"] == "muon")
@@ -177,8 +180,11 @@ def build_optimizers(model: nn.Module, args) -> List[torch.optim.Optimizer]:
         return [torch.optim.AdamW([{"params": matrices["params"], "weight_decay": args.weight_decay},
                                    {"params": others["params"], "weight_decay": 0.0}],
                                   lr=args.adamw_lr, betas=betas)]
-    # torch.optim.Muon takes only matrices: pair it with AdamW for the rest, as MuonAdamW does internally.
-    return [torch.optim.Muon(matrices["params"], lr=args.muon_lr, weight_decay=args.weight_decay),
+    # torch.optim.Muon takes only matrices: pair it with AdamW for the rest, as MuonAdamW does internally;
+    # the same lr and lr scale as MuonAdamW's Muon group.
+    adjust = "original" if matrices.get("lr_scale", "original") == "original" else "match_rms_adamw"
+    return [torch.optim.Muon(matrices["params"], lr=matrices["lr"], weight_decay=args.weight_decay,
+                             adjust_lr_fn=adjust),
             torch.optim.AdamW(others["params"], lr=args.adamw_lr, betas=betas, weight_decay=0.0)]
 
 
@@ -371,15 +377,35 @@ def summarize(runs: Dict[str, List[dict]]) -> str:
     return "\n".join(lines)
 
 
-def plot(runs: Dict[str, List[dict]], path: Path) -> bool:
-    """Loss vs step and vs training wall-clock time for every run; False without matplotlib."""
+def loss_figure():
+    """(pyplot, figure, (by-step axes, by-time axes)) for a loss plot, or None without matplotlib
+    (examples/compare.py draws the other examples' plots on it too)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+    return plt, fig, axes
+
+
+def plain_log_ticks(*axes) -> None:
+    """Log axes labelled only at 1, 2 and 5 per decade, as plain numbers: matplotlib's default labels
+    minor ticks too when an axis spans less than a decade, and they collide."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+    for axis in axes:
+        axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        axis.set_minor_formatter(NullFormatter())
+
+
+def plot(runs: Dict[str, List[dict]], path: Path) -> bool:
+    """Loss vs step and vs training wall-clock time for every run; False without matplotlib."""
+    figure = loss_figure()
+    if figure is None:
         return False
-    fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
+    plt, fig, (by_step, by_time) = figure
     for label, recs in runs.items():
         evals = [r for r in recs if "eval_loss" in r]
         for ax, x in ((by_step, "step"), (by_time, "train_seconds")):
@@ -388,13 +414,7 @@ def plot(runs: Dict[str, List[dict]], path: Path) -> bool:
                     label=label)
     by_step.set(xlabel="step", ylabel="loss (line: train, dots: held-out)", yscale="log")
     by_time.set(xlabel="training time (s, log scale)", xscale="log")  # runs may differ in speed severalfold
-    # Log axes label only 1, 2 and 5 per decade, as plain numbers: matplotlib's default labels
-    # minor ticks too when an axis spans less than a decade, and they collide.
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
-    for axis in (by_step.yaxis, by_time.xaxis):
-        axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
-        axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
-        axis.set_minor_formatter(NullFormatter())
+    plain_log_ticks(by_step.yaxis, by_time.xaxis)
     eval_times = [r["train_seconds"] for recs in runs.values() for r in recs if "eval_loss" in r]
     if eval_times:  # the first steps' sub-second times would crowd the axis with empty decades
         by_time.set_xlim(left=0.5 * min(eval_times))
@@ -443,15 +463,18 @@ def parse_args(argv: Optional[Iterable[str]] = None):
     opt = p.add_argument_group("optimization")
     opt.add_argument("--batch-size", type=int, default=32, help="sequences per micro-batch (default: %(default)s)")
     opt.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (default: %(default)s)")
-    opt.add_argument("--muon-lr", type=float, default=0.01, help="Muon's lr (hidden matrices) (default: %(default)s)")
+    opt.add_argument("--muon-lr", type=float, default=None,
+                     help="Muon's own lr for the hidden matrices, on Muon's scale (lr_scale 'original'; the "
+                          "two-lr form, 0.01 tuned here); default: none, Muon takes --lr scaled to AdamW's "
+                          "update RMS (docs/guide.md, 'One learning rate')")
     opt.add_argument("--polar-method", choices=("standard", "gram", "auto"), default="standard",
                      help="muon_ext's orthogonalization: standard or Gram Newton-Schulz iterations, or auto "
                           "(docs/polar_express.md) (default: %(default)s)")
     opt.add_argument("--polar-dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16",
                      help="muon_ext's Polar-Express GEMM precision (docs/polar_express.md) (default: %(default)s)")
-    opt.add_argument("--adamw-lr", type=float, default=2e-3,
-                     help="AdamW's lr: embeddings, head and norms; every param with --optimizer adamw "
-                          "(default: %(default)s)")
+    opt.add_argument("--lr", "--adamw-lr", dest="adamw_lr", type=float, default=2e-3,
+                     help="the learning rate: every param with --optimizer adamw; both kinds with MuonAdamW "
+                          "(embeddings, head and norms only with --muon-lr) (default: %(default)s)")
     opt.add_argument("--weight-decay", type=float, default=0.1,
                      help="on hidden matrices; none elsewhere (default: %(default)s)")
     opt.add_argument("--warmup", type=int, default=20,

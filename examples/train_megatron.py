@@ -2,14 +2,15 @@
 optimizer), tensor-parallel, on the sorting task of examples/train_gpt.py.
 
     python examples/train_megatron.py --tp 2            # 2 gloo processes on the CPU (NCCL with 2 GPUs)
-    python examples/train_megatron.py --tp 2 --compare  # also Megatron's own Adam on the same batches
+    python examples/train_megatron.py --tp 2 --compare  # also Megatron's own Adam on the same batches, same lr
     python examples/train_megatron.py --tp-mode distributed
     python examples/train_megatron.py --tp 1 --pp 2      # pipeline parallel: a stage per process (1F1B)
 
 Needs megatron-core (pip install ".[megatron]"); tqdm and matplotlib are optional
 (".[examples]"). On CPUs, megatron-core's hard-coded CUDA calls are mapped to the
 CPU by the test helper tests/python/support/megatron_cpu.py. Writes
-runs/megatron/metrics.json and runs/megatron/loss.png (loss against step for each run).
+runs/megatron/metrics.json and runs/megatron/loss.png (loss against step and
+time for each run) and prints the mean loss of the last 10 steps.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "examples"))
+import compare  # noqa: E402  the examples' summary and plot
 from train_gpt import make_generator, sorting_batch  # noqa: E402  the task of train_gpt.py
 
 try:
@@ -66,12 +68,13 @@ def make_optimizer(args, model, kind: str):
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from muon_ext.megatron import get_megatron_muon_optimizer
+    from muon_ext.megatron import MATCH_RMS_ADAMW, get_megatron_muon_optimizer
 
-    lr = args.lr if kind == "muon_ext" else args.adam_lr
+    # One lr (docs/megatron.md, "One learning rate"): Megatron's Adam and MuonAdamW take the same `lr`, Muon's
+    # updates scaled to AdamW's update RMS (spectral x 0.2); --muon-lr gives Muon its own.
+    lr = args.muon_lr if kind == "muon_ext" and args.muon_lr is not None else args.lr
     config = OptimizerConfig(optimizer="adam", lr=lr, min_lr=lr / 10, weight_decay=0.1, bf16=True, clip_grad=1.0,
-                             adam_beta2=0.95, muon_tp_mode=args.tp_mode, muon_scale_mode="spectral",
-                             muon_extra_scale_factor=0.2)
+                             adam_beta2=0.95, muon_tp_mode=args.tp_mode, **MATCH_RMS_ADAMW)
     opt = get_megatron_muon_optimizer(config, [model]) if kind == "muon_ext" else \
         get_megatron_optimizer(config, [model])
     scheduler = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=lr, min_lr=lr / 10, lr_warmup_steps=args.steps // 10,
@@ -163,34 +166,17 @@ def _layout(args) -> str:
     return f"TP={args.tp}" + (f" PP={args.pp}" if args.pp > 1 else "")
 
 
-def plot(runs: dict, path: Path) -> bool:
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for label, records in runs.items():
-        ax.plot([r["step"] for r in records], [r["loss"] for r in records], label=label)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (sorted half)")
-    ax.set_yscale("log")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    return True
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tp", type=int, default=2, choices=(1, 2))
     parser.add_argument("--pp", type=int, default=1, choices=(1, 2), help="pipeline stages (divides --layers)")
     parser.add_argument("--tp-mode", default="duplicated", choices=("blockwise", "duplicated", "distributed"))
-    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--compare", action="store_true", help="also train with Megatron's own Adam")
-    parser.add_argument("--lr", type=float, default=0.02)
-    parser.add_argument("--adam-lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=float, default=3e-3, help="OptimizerConfig.lr, for Megatron's Adam and "
+                        "for both kinds of MuonAdamW (muon_ext.megatron.MATCH_RMS_ADAMW)")
+    parser.add_argument("--muon-lr", type=float, default=None,
+                        help="MuonAdamW's own lr instead (0.02 before one lr)")
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--layers", type=int, default=2)
@@ -199,23 +185,24 @@ def main(argv=None):
     parser.add_argument("--num-values", type=int, default=32)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="runs/megatron")
+    parser.add_argument("--plot", default=None, help="default: <out>/loss.png")
     args = parser.parse_args(argv)
     import torch.multiprocessing as mp
 
     Path(args.out).mkdir(parents=True, exist_ok=True)
     world = args.tp * args.pp
     runs = {}
+    names = {"muon_ext": "MuonAdamW", "megatron_adam": "Megatron Adam"}
     for kind in ["muon_ext"] + (["megatron_adam"] if args.compare else []):
         store = os.path.join(tempfile.mkdtemp(), "store")
         mp.start_processes(run, args=(world, store, args, kind), nprocs=world, start_method="spawn")
         records = json.loads(Path(args.out, f"{kind}.json").read_text())
-        runs[f"{kind} {_layout(args)}"] = records
-        tail = records[-10:]
-        print(f"{kind} {_layout(args)}: final loss {sum(r['loss'] for r in tail) / len(tail):.4f} "
-              f"(mean of the last {len(tail)} steps), {records[-1]['seconds']:.1f} s")
-    Path(args.out, "metrics.json").write_text(json.dumps(runs))
-    if plot(runs, Path(args.out, "loss.png")):
-        print(f"plot: {Path(args.out, 'loss.png')}")
+        runs[f"{names[kind]} {_layout(args)}"] = [{**r, "step": r["step"] + 1} for r in records]
+    print(compare.summarize(runs))
+    compare.save(runs, {}, Path(args.out, "metrics.json"))
+    plot = Path(args.plot or Path(args.out, "loss.png"))
+    if compare.plot(runs, plot, f"Megatron-Core GPT, {_layout(args)}, lr {args.lr:g}", "loss (sorted half)"):
+        print(f"plot: {plot}")
     return runs
 
 

@@ -7,14 +7,15 @@ and makes the views.
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
 from . import _C, row_blocks
 from ._types import MatrixView
 
-__all__ = ["matrix_shape", "as_matrices", "second_moment_shape", "muon_stats_shape", "stats_per_row"]
+__all__ = ["matrix_shape", "as_matrices", "second_moment_shape", "muon_stats_shape", "stats_per_row",
+           "stats_layout_error"]
 
 
 def matrix_shape(p: torch.Tensor, view: MatrixView, label: str) -> Tuple[int, int]:
@@ -58,3 +59,18 @@ def muon_stats_shape(p: torch.Tensor, group: dict) -> Tuple[int, ...]:
         return second_moment_shape(p, group["matrix_view"])
     rows, cols = matrix_shape(p, group["matrix_view"], "")
     return row_blocks.stats_shape(row_blocks.of_group(group, rows), cols)
+
+
+def stats_layout_error(label: str, p: torch.Tensor, group: dict, held) -> Optional[ValueError]:
+    """None where NorMuon statistics of shape `held` (a param's, or its offload slab region's) fit the param
+    under `group`; else the error to raise. Statistics are kept per row block, laid out for the row_blocks they
+    were made under: an edit or a checkpoint load that changes that layout is refused the same way resident,
+    staged and checkpoint loads (docs/design.md, "Row blocks")."""
+    expected = tuple(muon_stats_shape(p, group))
+    if tuple(held) == expected:
+        return None
+    return ValueError(f"{label}: optimizer state 'second_momentum_buffer' (NorMuon statistics, kept per row block) "
+                      f"has shape {tuple(held)}, and row_blocks={group.get('row_blocks')!r} needs {expected}: the "
+                      "statistics were laid out for other row blocks. Keep the row_blocks they were made with, or "
+                      "build a new optimizer with the new row_blocks (a checkpoint loads into an optimizer built "
+                      "with its row_blocks)")

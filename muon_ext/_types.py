@@ -24,9 +24,10 @@ PolarDtype = Literal["bfloat16", "float32", "float16"]
 PolarMethod = Literal["standard", "gram", "auto"]
 
 
-@dataclass
+@dataclass(slots=True)
 class ParamInfo:
-    """How the optimizer treats one param (fixed at construction)."""
+    """How the optimizer treats one param (fixed at construction). Slots: one per param, 200k of them in a
+    large MoE (a per-instance __dict__ would add about 100 bytes each)."""
 
     param: torch.nn.Parameter
     group: int  # index of its param group
@@ -48,21 +49,47 @@ class Bucket:
 
 
 class WorkItem(NamedTuple):
-    """One kernel call of a step: a bucket's params that have grads of one dtype.
+    """One unit of a step's plan: a bucket's params that have grads of one dtype.
     `blocks`: the group's parsed Muon `row_blocks` (muon_ext.row_blocks.RowBlocks),
-    None where each param is one matrix; the runners cut their calls by it."""
+    None where each param is one matrix; the runners cut their calls by it.
+    `dtensors`: for DTensor params, the params themselves, whose local tensors
+    `params` and `grads` are (their state, names and autograd versions are the
+    DTensors'); None for plain params. `exchange`: how a Muon item's rows
+    travel to the rank that orthogonalizes each matrix and back
+    (muon_ext.distributed.step.MuonExchange); None where every matrix is whole
+    on this rank and the fused kernel steps it (docs/design.md, "Data flow of
+    one step")."""
 
     bucket: Bucket
     group: dict
     params: List[torch.nn.Parameter]
     grads: List[torch.Tensor]
     blocks: Optional[Any] = None
+    dtensors: Optional[List[torch.nn.Parameter]] = None
+    exchange: Optional[Any] = None
+
+    @property
+    def owners(self) -> List[torch.nn.Parameter]:
+        """The optimizer's params this item steps (the DTensors for local shards)."""
+        return self.params if self.dtensors is None else self.dtensors
+
+    @property
+    def mesh(self):
+        """The device mesh of a DTensor item (its ranks step or skip together), None for plain params."""
+        return None if self.dtensors is None else self.dtensors[0].device_mesh
+
+
+_DTENSOR_TYPE: Any = None  # DTensor, or () where torch has no distributed; imported at the first call
 
 
 def is_dtensor(t) -> bool:
-    """Whether `t` is a torch.distributed DTensor (False where torch has no distributed)."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch without distributed
-        return False
-    return isinstance(t, DTensor)
+    """Whether `t` is a torch.distributed DTensor (False where torch has no distributed). Called per param in
+    construction, checkpoints and steps: the class is looked up once (an import statement per call cost
+    about 3 us, a second of construction at 200k params)."""
+    global _DTENSOR_TYPE
+    if _DTENSOR_TYPE is None:
+        try:
+            from torch.distributed.tensor import DTensor as _DTENSOR_TYPE
+        except ImportError:  # pragma: no cover - torch without distributed
+            _DTENSOR_TYPE = ()
+    return isinstance(t, _DTENSOR_TYPE)

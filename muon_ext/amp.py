@@ -63,7 +63,7 @@ def check_step_lr(index: int, group: dict, capturing_now: bool) -> None:
                                "device (construct with capturable=True); a float lr would be baked into the graph")
         return
     if lr.device.type == "cpu":
-        check_lr_value(f"param group {index}: ", float(lr), group["kind"])
+        check_lr_value(f"param group {index}: ", float(lr), group["kind"], group)
         return
     for p in params:
         if p.device != lr.device:

@@ -13,15 +13,15 @@ check again what was checked here.
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List, Mapping, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Mapping, NamedTuple, Optional, Tuple
 
 import torch
 
 from . import _C, row_blocks
-from ._shapes import matrix_shape
+from ._shapes import matrix_shape, stats_layout_error
 from ._types import Bucket, GradAttr, ParamInfo, WorkItem, is_dtensor
 from .amp import capturing, check_step_lr
-from .schema import check_hyper
+from .schema import check_block_scales, check_hyper
 from .state import master_mode
 from .writers import check_released
 
@@ -81,6 +81,9 @@ class StepPlanner:
         # False when the state lives off the params' device (offload="cpu"):
         # muon_ext.offload checks those entries; params and grads are checked here.
         self.state_rules = True
+        # Under data-parallel ownership (distributed/ownership.py): whether this rank steps a plain param;
+        # the others' are stepped by their owners and arrive after the step. None: every param.
+        self.owns: Optional[Callable[[torch.Tensor], bool]] = None
 
     def invalidate(self) -> None:
         """Re-bucket at the next plan."""
@@ -114,7 +117,9 @@ class StepPlanner:
         for index, group in enumerate(groups):
             check_hyper(index, group)
             _check_lr_storage(index, group["lr"])
-            check_step_lr(index, group, capturing_now)
+            check_step_lr(index, group, capturing_now)  # a CPU tensor lr: its value, and its row blocks' lrs
+            if not isinstance(group["lr"], torch.Tensor):
+                check_block_scales(f"param group {index} ({group['kind']}): ", group, group["lr"])
         buckets = self._get_buckets(groups, infos)
         for info in self._empty:
             if info.param.numel() != 0:
@@ -139,6 +144,8 @@ class StepPlanner:
                 matrix_view=view, ranges=ranges, bucket=b, param_data=bucket.writes_params)
             if result.index >= 0:
                 other_info = infos[id(bucket.params[result.other])] if result.other >= 0 else None
+                if result.problem == _P.state_shape and result.key == "second_momentum_buffer":
+                    _raise_stats_layout(infos[id(bucket.params[result.index])], group, tensors)
                 self._raise(result.problem, infos[id(bucket.params[result.index])], result.key, other_info, spec,
                             tensors, grad_attr)
             if result.token is not None:
@@ -164,25 +171,47 @@ class StepPlanner:
         that no longer fits the mode is refused only where the master cannot
         be read (remainders need a bfloat16 param), so a cast model's state can
         still be saved and loaded into a new optimizer. Params are recorded
-        in `ranges` (a `_C.MemoryRanges`, when given) as (`tag` + their position, 0)."""
+        in `ranges` (a `_C.MemoryRanges`, when given) as (`tag` + their position, 0). Without `ranges`,
+        consecutive params that a bucket could hold are checked in one C++ call (a checkpoint of 200k tiny
+        params: one call per run, not per param)."""
+        batch: List[ParamInfo] = []
+        batch_key = None
         for position, info in enumerate(infos):
             p = info.param
             if not reading or info.master_mode == "remainder":
                 self._check_master_mode(info)
-            group = groups[info.group]
-            rows, cols, view = 0, 0, ""
-            if info.kind == "muon":
-                rows, cols = matrix_shape(p, group["matrix_view"], info.name)
-                view = group["matrix_view"]
-            rules = _master_rule(info, reading) if info.master_mode != "none" and self.state_rules else ()
-            if all_state and self.state_rules:
-                rules = _moment_rules(info.kind, group, required=False, rows=rows, cols=cols) + rules
             check_released(info, "")
-            result = _C.check_bucket(
-                [p], None, tensors, dtype=p.dtype, device=p.device, rules=rules, rows=rows, cols=cols,
-                matrix_view=view, ranges=ranges, bucket=tag + position, param_data=info.writer is None)
-            if result.index >= 0:
-                self._raise(result.problem, info, result.key, None, _Spec(p.dtype, p.device, rows, cols), tensors, "")
+            # The same shape in the same group: the same matrices (_check_batch finds them for the batch).
+            key = (info.group, p.dtype, p.device, info.master_mode, info.writer is None, p.shape)
+            if ranges is None and key == batch_key:
+                batch.append(info)
+                continue
+            self._check_batch(batch, groups, tensors, all_state, reading, ranges, tag + position - len(batch))
+            batch, batch_key = [info], key
+        self._check_batch(batch, groups, tensors, all_state, reading, ranges, tag + len(infos) - len(batch))
+
+    def _check_batch(self, batch: List[ParamInfo], groups: List[dict], tensors: Mapping, all_state: bool,
+                     reading: bool, ranges, tag: int) -> None:
+        """`check_params`' C++ check of params sharing group, dtype, device, master mode, writer presence and
+        matrix shape (one param where `ranges` records them)."""
+        if not batch:
+            return
+        info, group = batch[0], groups[batch[0].group]
+        p = info.param
+        rows, cols, view = 0, 0, ""
+        if info.kind == "muon":
+            rows, cols = matrix_shape(p, group["matrix_view"], info.name)
+            view = group["matrix_view"]
+        rules = _master_rule(info, reading) if info.master_mode != "none" and self.state_rules else ()
+        if all_state and self.state_rules:
+            rules = _moment_rules(info.kind, group, required=False, rows=rows, cols=cols) + rules
+        result = _C.check_bucket(
+            [i.param for i in batch], None, tensors, dtype=p.dtype, device=p.device, rules=rules, rows=rows,
+            cols=cols, matrix_view=view, ranges=ranges, bucket=tag, param_data=info.writer is None)
+        if result.index >= 0:
+            bad = batch[result.index]
+            other = batch[result.other] if result.other >= 0 else None
+            self._raise(result.problem, bad, result.key, other, _Spec(p.dtype, p.device, rows, cols), tensors, "")
 
     # -- buckets ----------------------------------------------------------
 
@@ -198,6 +227,8 @@ class StepPlanner:
                 p, group = info.param, groups[info.group]
                 if is_dtensor(p):
                     continue  # stepped by distributed/step.py, on local tensors
+                if self.owns is not None and not self.owns(p):
+                    continue  # stepped by its owner rank
                 self._check_master_mode(info)
                 if p.numel() == 0:
                     empty.append(info)  # nothing to update; the kernels refuse zero-sized matrices
@@ -255,6 +286,19 @@ class StepPlanner:
         if problem in _STATE_ERRORS:
             raise _state_error(problem, label, p, key, other, tensors.get(p))
         raise _GRAD_ERRORS[problem](label, p, getattr(p, attr, None), attr)
+
+
+def _raise_stats_layout(info: ParamInfo, group: dict, tensors: Mapping) -> None:
+    """NorMuon statistics laid out for other row_blocks (an edit between steps): the words the staged runner and
+    load_state_dict use for it (_shapes.stats_layout_error)."""
+    held = tensors[info.param]["second_momentum_buffer"]
+    if not isinstance(held, torch.Tensor):
+        return
+    # Row-blocked statistics are one column; other shapes are not a layout's (a replaced tensor: the usual words).
+    blocked = group.get("row_blocks") is not None or (held.dim() == 2 and held.shape[1] == 1)
+    error = stats_layout_error(info.name, info.param, group, held.shape) if blocked else None
+    if error is not None:
+        raise error
 
 
 def _check_lr_storage(index: int, lr) -> None:

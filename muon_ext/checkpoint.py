@@ -16,10 +16,10 @@ from typing import Dict, List, NamedTuple
 
 import torch
 
-from ._shapes import muon_stats_shape
+from ._shapes import muon_stats_shape, stats_layout_error
 from ._types import ParamInfo, is_dtensor
 from .loaded_masters import load_master, load_remainder
-from .schema import check_hyper, check_lr_value
+from .schema import check_hyper, check_lr_value, rename_legacy_keys
 from .state import OptimizerState
 from .writers import is_quantized, storage_held
 
@@ -29,8 +29,10 @@ _FP32_STATE = ("exp_avg", "exp_avg_sq", "momentum_buffer", "second_momentum_buff
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
-def state_dict(groups: List[dict], states: OptimizerState) -> dict:
-    """torch's layout (params by index), with every master as a new FP32 tensor."""
+def state_dict(groups: List[dict], states: OptimizerState, ownership=None) -> dict:
+    """torch's layout (params by index), with every master as a new FP32 tensor. Under data-parallel
+    `ownership` (distributed/ownership.py) a collective: each entry from its param's owner, so that every rank
+    holds the whole state, loadable at any data-parallel size."""
     states.pending.resolve()  # a pending master may still rewrite its param (FP32 params included)
     index = {}
     packed_groups = []
@@ -41,11 +43,28 @@ def state_dict(groups: List[dict], states: OptimizerState) -> dict:
     packed_state = {}
     for group in groups:
         for p in group["params"]:
-            entry = dict(states.tensors[p])
-            if "master_param" in entry:
-                entry["master_param"] = states.read_master(states.info(p))
+            info = states.info(p)
+            if ownership is not None and not ownership.owns(p):
+                entry = _empty_entry(states, info, group)  # filled from the owner below
+            else:
+                entry = dict(states.tensors[p])
+                if "master_param" in entry:
+                    entry["master_param"] = states.read_master(info)
+            if ownership is not None:
+                for key in sorted(entry):
+                    ownership.broadcast_from_owner(entry[key], p)
             packed_state[index[id(p)]] = entry
     return {"state": packed_state, "param_groups": packed_groups}
+
+
+def _empty_entry(states: OptimizerState, info, group: dict) -> Dict:
+    """A param's state entry as `state_dict` packs it (every master as FP32), uninitialized: what a
+    non-owner receives its owner's entry into."""
+    scratch: Dict = {}
+    OptimizerState({info.param: scratch}, states.master_weights, states.store_param_remainders).init(info, group)
+    if "master_param" in scratch:
+        scratch["master_param"] = torch.empty(info.param.shape, dtype=torch.float32, device=info.param.device)
+    return scratch
 
 
 def load_state_dict(groups: List[dict], states: OptimizerState, saved_dict: dict, *, capturable: bool) -> None:
@@ -90,6 +109,7 @@ def check_state_dict(groups: List[dict], states: OptimizerState, saved_dict: dic
         if isinstance(saved.get("lr"), torch.Tensor) and group["params"]:
             # A tensor lr saved on another device (a capturable run, another rank) lands on this group's.
             saved["lr"] = saved["lr"].detach().to(group["params"][0].device, torch.float32)
+        rename_legacy_keys(f"load_state_dict: param group {gi}: ", saved)  # saved by an earlier version
         merged = dict(group, **{k: v for k, v in saved.items() if k != "params"})
         merged_groups.append(merged)
         check_hyper(gi, merged)
@@ -104,6 +124,7 @@ def check_state_dict(groups: List[dict], states: OptimizerState, saved_dict: dic
             info = states.info(p)
             entry = saved_state.get(key, {})
             _check_entry(info, entry, merged)
+            _check_stats_layout(info, states.tensors[p], merged)
             plan.append((info, entry))
     return CheckedStateDict(saved_groups, merged_groups, plan)
 
@@ -128,6 +149,19 @@ def _expected_state_shape(p: torch.Tensor, key: str, group: Dict):
     if key == "second_momentum_buffer":
         return muon_stats_shape(p, group) if group["kind"] == "muon" else None
     return tuple(p.shape)
+
+
+def _check_stats_layout(info: ParamInfo, state: Dict, group: Dict) -> None:
+    """The NorMuon statistics this optimizer holds are laid out for its row_blocks (resident tensors, offload
+    slab regions): a checkpoint whose row_blocks need another layout is refused here, before the groups are
+    replaced, as a step refuses an edit of them."""
+    if group["kind"] != "muon":
+        return
+    held = state.get("second_momentum_buffer")
+    if isinstance(held, torch.Tensor):
+        error = stats_layout_error(f"load_state_dict: {info.name}", info.param, group, held.shape)
+        if error is not None:
+            raise error
 
 
 def _check_entry(info: ParamInfo, entry: Dict, group: Dict) -> None:

@@ -43,16 +43,18 @@ _OPTIMIZER_OPTIONS = ("master_weights", "store_param_remainders", "grad_attr", "
                       "offload", "offload_config", "adapters")
 
 
-def param_groups(model: torch.nn.Module, *, lr: float = 0.02, adamw_lr: float = 3e-4, weight_decay: float = 0.1,
-                 adamw_weight_decay: float = 0.0, adamw_patterns: Iterable[str] = (),
+def param_groups(model: torch.nn.Module, *, lr: Optional[float] = None, adamw_lr: Optional[float] = None,
+                 weight_decay: float = 0.1, adamw_weight_decay: float = 0.0, adamw_patterns: Iterable[str] = (),
                  muon_patterns: Iterable[str] = (), adamw_betas=(0.9, 0.999), adamw_eps: float = 1e-8,
                  **muon_options) -> List[dict]:
     """MuonAdamW groups for a transformers model: `muon_ext.param_groups`
     plus the model's own input and output embeddings (`get_input_embeddings`,
     `get_output_embeddings`, whatever their names) and MoE routers to AdamW.
     Each param appears once (tied weights included); groups carry
-    `param_names`. `muon_options` (momentum, beta2, ns_steps, ...) go into the
-    Muon group, `adamw_betas` / `adamw_eps` into the AdamW group."""
+    `param_names`. Learning rates as `muon_ext.param_groups` (one lr for both
+    kinds unless both `lr` and `adamw_lr` are given; docs/guide.md, "One
+    learning rate"). `muon_options` (momentum, beta2, ns_steps, lr_scale, ...)
+    go into the Muon group, `adamw_betas` / `adamw_eps` into the AdamW group."""
     named = {id(p): name for name, p in model.named_parameters()}
     exact = []
     for getter in ("get_input_embeddings", "get_output_embeddings"):
@@ -70,17 +72,27 @@ def param_groups(model: torch.nn.Module, *, lr: float = 0.02, adamw_lr: float = 
 
 
 def create_optimizer(model: torch.nn.Module, args: Optional["transformers.TrainingArguments"] = None, *,
-                     lr: float = 0.02, weight_decay: float = 0.1, **options) -> MuonAdamW:
+                     lr: Optional[float] = None, weight_decay: Optional[float] = None, **options) -> MuonAdamW:
     """MuonAdamW for `model`, its AdamW group taking `args`' learning_rate,
-    weight_decay, adam_beta1/2 and adam_epsilon (TrainingArguments), its Muon
-    group `lr` and `weight_decay`. `options`: `param_groups` keywords and
-    MuonAdamW's (master_weights, offload, ...)."""
+    weight_decay, adam_beta1/2 and adam_epsilon (TrainingArguments).
+
+    One learning rate by default (docs/guide.md, "One learning rate"): the
+    Muon group takes the same learning_rate and weight_decay, its updates
+    scaled to AdamW's update RMS (`lr_scale="match_rms_adamw"`), so the
+    recipe's `TrainingArguments` serve both kinds. Given `lr`, the Muon group
+    takes it on Muon's own scale instead (the two-lr form, `lr_scale`
+    "original", weight decay `weight_decay` or 0.1), as before this default.
+    `options`: `param_groups` keywords and MuonAdamW's (master_weights,
+    offload, ...)."""
     optimizer_options = {k: options.pop(k) for k in _OPTIMIZER_OPTIONS if k in options}
     if args is not None:
         options.setdefault("adamw_lr", args.learning_rate)
         options.setdefault("adamw_weight_decay", args.weight_decay)
         options.setdefault("adamw_betas", (args.adam_beta1, args.adam_beta2))
         options.setdefault("adamw_eps", args.adam_epsilon)
+    two_lrs = lr is not None and options.get("adamw_lr") is not None
+    if weight_decay is None:  # one lr: the recipe's decay serves both kinds too
+        weight_decay = 0.1 if two_lrs else options.get("adamw_weight_decay", 0.1)
     return MuonAdamW(param_groups(model, lr=lr, weight_decay=weight_decay, **options), **optimizer_options)
 
 
@@ -95,8 +107,9 @@ class MuonAdamWFactory:
 
 class MuonTrainer(transformers.Trainer):
     """A `Trainer` that trains with MuonAdamW (`create_optimizer(model, args,
-    **muon_options)`); everything else, schedulers and checkpoints included,
-    is Trainer's."""
+    **muon_options)`: by default TrainingArguments' learning_rate and
+    weight_decay serve both kinds); everything else, schedulers and
+    checkpoints included, is Trainer's."""
 
     def __init__(self, *args, muon_options: Optional[dict] = None, **kwargs):
         self.muon_options = dict(muon_options or {})

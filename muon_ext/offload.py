@@ -33,7 +33,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from . import _C
-from ._shapes import matrix_shape, muon_stats_shape
+from ._shapes import matrix_shape, muon_stats_shape, stats_layout_error
 from ._types import ParamInfo, WorkItem, is_dtensor
 from .runners import ResidentRunner
 from .schema import label
@@ -117,6 +117,7 @@ class _Layout:
         else:
             regions += [("exp_avg", tuple(p.shape)), ("exp_avg_sq", tuple(p.shape)), ("step", ())]
         self.info = info
+        self.group = group  # the optimizer's group dict (edited in place by users, schedulers and loads)
         self.numel = n
         self.regions = []
         start = 0
@@ -371,8 +372,7 @@ class StagedRunner(ResidentRunner):
             return
         layouts = [_Layout(info, group) for info in infos]
         device = self.device = infos[0].param.device
-        total = sum(layout.size for layout in layouts)
-        slab = _page_locked_zeros(total, self) if device.type == "cuda" else torch.zeros(total, dtype=torch.float32)
+        slab = self._new_slab(sum(layout.size for layout in layouts))
         offset = 0
         for layout in layouts:
             layout.place(slab, offset)
@@ -384,8 +384,31 @@ class StagedRunner(ResidentRunner):
             self.layouts[id(layout.info.param)] = layout
         if device.type == "cuda" and not isinstance(self.streams, _CudaStreams):
             self.streams = _CudaStreams(device)
+        self._fit_slots()
+
+    def _new_slab(self, numel: int) -> torch.Tensor:
+        if self.device.type == "cuda":
+            return _page_locked_zeros(numel, self)
+        return torch.zeros(numel, dtype=torch.float32)
+
+    def _fit_slots(self) -> None:
         if self.slots is not None and self._slot_size() > (self.slots[0].buffer.numel() if self.slots else 0):
             self._free_slots()  # a larger param joined: new slots at the next step
+
+    def _relayout(self, layout: _Layout) -> None:
+        """Moves a param's state to a slab of its own, laid out for its group's row_blocks now: NorMuon switched
+        on after an edit of row_blocks, or a checkpoint's statistics for other blocks loaded while it was off
+        (the resident path makes the statistics then, in the new shape; the old region was never used)."""
+        moved = _Layout(layout.info, layout.group)
+        moved.place(self._new_slab(moved.size), 0)
+        entry = self.tensors[layout.info.param]
+        for key, view in layout.entries.items():
+            if key != "second_momentum_buffer":
+                moved.entries[key].copy_(view)
+                if entry.get(key) is view:
+                    entry[key] = moved.entries[key]
+        self.layouts[id(layout.info.param)] = moved
+        self._fit_slots()
 
     # -- state entries ----------------------------------------------------
 
@@ -397,6 +420,12 @@ class StagedRunner(ResidentRunner):
         for info in infos:
             layout = self.layouts[id(info.param)]
             entry = self.tensors[info.param]
+            stats = entry.get("second_momentum_buffer")
+            if required and stats is not None and layout.group["beta2"] is not None:
+                # The resident planner refuses statistics of another layout the same way (a row_blocks edit).
+                error = stats_layout_error(info.name, info.param, layout.group, stats.shape)
+                if error is not None:
+                    raise error
             for key, view in layout.entries.items():
                 value = entry.get(key)
                 if value is None and required and key != "second_momentum_buffer":
@@ -423,8 +452,17 @@ class StagedRunner(ResidentRunner):
         """Makes every state entry its slab view again: an entry replaced (a
         checkpoint load creating one) is copied in; a missing second moment
         (NorMuon switched on) starts at zero. Run after `check_entries`."""
+        stale = [layout for layout in self.layouts.values() if "second_momentum_buffer" in layout.state(layout.group)
+                 and layout.entries["second_momentum_buffer"] is not self.tensors[layout.info.param].get(
+                     "second_momentum_buffer")
+                 and stats_layout_error("", layout.info.param, layout.group,
+                                        layout.entries["second_momentum_buffer"].shape) is not None]
+        if stale:
+            self.drain()  # the last step's copies may still write the old slab regions
+        for layout in stale:
+            self._relayout(layout)
         todo = []
-        for layout in self.layouts.values():
+        for layout in list(self.layouts.values()):
             entry, group = self.tensors[layout.info.param], groups[layout.info.group]
             for key, view in layout.state(group).items():
                 value = entry.get(key)

@@ -22,6 +22,13 @@ __all__ = [
     "muon_momentum",
     "muon_orthogonalize",
     "muon_apply",
+    "sharded_polar_norms",
+    "sharded_polar_scale",
+    "sharded_polar_gram",
+    "sharded_polar_iterate",
+    "sharded_normuon_partial",
+    "sharded_normuon_finish",
+    "sharded_normuon_payload_numel",
     "split_master",
     "merge_master",
     "cpu_capabilities",
@@ -236,6 +243,68 @@ def muon_apply(
     lr_value, lr_tensor = _split_lr("muon_apply", lr, lists)
     _call("muon_apply", _ops.muon_apply, {}, lists, lr=lr_value, lr_tensor=lr_tensor, weight_decay=float(weight_decay),
           lr_scale=str(lr_scale), rows=rows, cols=cols, found_inf=found_inf)
+
+
+def _register_sharded_fakes() -> None:
+    """Fake kernels of the split-matrix ops (csrc/sharded_polar_ops.cpp): they only write their declared
+    outputs, so tracing needs nothing from them."""
+    for name in ("sharded_polar_norms", "sharded_polar_scale", "sharded_polar_gram", "sharded_polar_iterate",
+                 "sharded_normuon_partial", "sharded_normuon_finish"):
+        torch.library.register_fake(f"muon_ext::{name}")(lambda *args, **kwargs: None)
+
+
+_register_sharded_fakes()
+
+
+def sharded_polar_norms(x: torch.Tensor, sum_squares: torch.Tensor) -> None:
+    """Split-matrix Polar-Express (docs/design.md, "Split matrices orthogonalized in place"), before the first
+    sum over the shards' group: each matrix's sum of squares of this rank's shards `x` ([n, rows, cols] FP32)
+    into `sum_squares` (float64, n entries)."""
+    _ops.sharded_polar_norms(x, sum_squares)
+
+
+def sharded_polar_scale(x: torch.Tensor, sum_squares: torch.Tensor, *, polar_dtype: str) -> None:
+    """The shards `x` scaled by their whole matrices' input scale (from `sum_squares` summed over the group) and
+    rounded to `polar_dtype`, in place."""
+    _ops.sharded_polar_scale(x, sum_squares, polar_dtype=str(polar_dtype))
+
+
+def sharded_polar_gram(x: torch.Tensor, gram: torch.Tensor, *, shard_dim: int, polar_dtype: str) -> None:
+    """This rank's part of each matrix's Gram matrix into `gram` (FP32, n x side x side entries): X_r X_r^T where
+    the shards split the columns (`shard_dim` 1), X_r^T X_r where they split the rows (0)."""
+    _ops.sharded_polar_gram(x, gram, shard_dim=int(shard_dim), polar_dtype=str(polar_dtype))
+
+
+def sharded_polar_iterate(x: torch.Tensor, gram: torch.Tensor, coefficients: Sequence[float], *, shard_dim: int,
+                          polar_dtype: str) -> None:
+    """One Polar-Express iteration (a, b, c) = `coefficients` on the shards `x`, in place, with the Gram
+    matrices `gram` summed over the group."""
+    a, b, c = (float(v) for v in coefficients)
+    _ops.sharded_polar_iterate(x, gram, a=a, b=b, c=c, shard_dim=int(shard_dim), polar_dtype=str(polar_dtype))
+
+
+def sharded_normuon_partial(x: torch.Tensor, stats: torch.Tensor, payload: torch.Tensor, *, rows: int, cols: int,
+                            shard_dim: int, held: Optional[torch.Tensor], beta2: float, stats_local: bool) -> None:
+    """NorMuon on the shard `x` of a `rows` x `cols` matrix, before the sum over the group: writes `payload`
+    (float64, `sharded_normuon_payload_numel` entries); `stats` kept locally (`stats_local`) move here."""
+    _ops.sharded_normuon_partial(x, stats, payload, rows=int(rows), cols=int(cols), shard_dim=int(shard_dim),
+                                 held=held, beta2=float(beta2), stats_local=bool(stats_local))
+
+
+def sharded_normuon_finish(x: torch.Tensor, stats: torch.Tensor, payload: torch.Tensor, *, rows: int, cols: int,
+                           shard_dim: int, held: Optional[torch.Tensor], beta2: float, stats_local: bool) -> None:
+    """NorMuon after the sum: the statistics and the shard's multipliers from the summed `payload`, in place."""
+    _ops.sharded_normuon_finish(x, stats, payload, rows=int(rows), cols=int(cols), shard_dim=int(shard_dim),
+                                held=held, beta2=float(beta2), stats_local=bool(stats_local))
+
+
+def sharded_normuon_payload_numel(x: torch.Tensor, rows: int, cols: int, shard_dim: int, stats_local: bool) -> int:
+    """Entries of `sharded_normuon_partial`'s payload: the shard's partial sums per held row (column) where the
+    reduced dim is split, the two norm sums where the statistics are kept locally, else the whole statistics."""
+    stat_dim = 0 if _C.stats_per_row(rows, cols) else 1
+    if stat_dim != shard_dim:
+        return x.shape[stat_dim]
+    return 2 if stats_local else (rows if stat_dim == 0 else cols)
 
 
 def split_master(

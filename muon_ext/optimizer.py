@@ -1,10 +1,11 @@
 """MuonAdamW: Muon for hidden matrices, AdamW for everything else, with exact
 FP32 master weights (FP32 params, FP32 master tensors or BF16 + int16 remainders).
 
-A step runs plan (every check, before anything is written; buckets.py) ->
-run (each work item's kernel call and writers, by the runner of the state's
-residency: runners.py, offload.py) -> the DTensor params (distributed/step.py:
-gather to each matrix's owner -> kernels -> scatter) -> writer reports
+A step is one loop for every kind of param: plan (the work items of plain
+params, buckets.py, and of DTensor params with the exchange each Muon item
+needs, distributed/step.py; every check passed, agreed on every rank, before
+anything is written) -> run (each item's kernels, exchange and writers, by the
+runner of the state's residency: runners.py, offload.py) -> writer reports
 (docs/design.md, "Data flow of one step").
 """
 
@@ -12,22 +13,23 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, List, Optional
 
 import torch
 
-from . import adapters as adapter_loader
+from . import entry_points
 from . import checkpoint, ops, schema, writers
 from ._types import ParamInfo, is_dtensor
 from .amp import GradScalerInputs, capturing, device_lr
-from .buckets import StepPlanner
+from .buckets import PlannedItem, StepPlanner
 from .offload import StagedRunner, check_offload
 from .param_rules import check_group
 from .runners import ResidentRunner
 from .distributed import agreement
 from .distributed.placements import holds_full, local
+from .distributed.ownership import Ownership, data_parallel_group_of
 from .distributed.step import DistributedStep, agree_on_checks, dtensor_infos
-from .state import OptimizerState, check_master_values, master_mode
+from .state import OptimizerState, check_master_values, gc_paused, master_mode
 
 __all__ = ["MuonAdamW"]
 
@@ -55,6 +57,13 @@ class MuonAdamW(torch.optim.Optimizer):
         adapters: bind the installed adapters (entry points of the group
             "muon_ext.adapters", each called as `adapter(optimizer)` after
             construction); False skips them.
+        data_parallel_group: a ProcessGroup (or 1-D DeviceMesh) over which the
+            (plain) params are replicated and their grads already averaged
+            (DDP): each param is stepped by one owner rank, which alone keeps
+            its state, and every rank receives the new values after the step
+            (docs/design.md, "Data-parallel ownership"). step(), update_param,
+            gather_full_parameter_master and state_dict() are then collectives
+            over it; get_full_parameter_master returns None on a non-owner.
     Works with torch.amp.GradScaler: grads are unscaled in the kernels and a
     found inf skips the whole step.
     """
@@ -73,9 +82,15 @@ class MuonAdamW(torch.optim.Optimizer):
         offload: str = "none",
         offload_config=None,
         adapters: bool = True,
+        data_parallel_group=None,
     ):
         schema.check_options(master_weights, grad_attr, max_workspace_bytes)
         self._offload_config = config = check_offload(offload, offload_config, capturable)
+        dp_group = data_parallel_group_of(data_parallel_group)
+        if dp_group is not None and config is not None:
+            raise ValueError("data_parallel_group with offload='cpu' is not supported yet: the staged state would "
+                             "hold every param's state, not the owned ones'")
+        self._ownership = Ownership(dp_group) if dp_group is not None else None
         self.master_weights = master_weights
         # Offloaded params keep FP32 masters: the staged kernels update them off the param's device.
         self.store_param_remainders = bool(store_param_remainders) and config is None
@@ -83,6 +98,8 @@ class MuonAdamW(torch.optim.Optimizer):
         self.capturable = bool(capturable)
         self.max_workspace_bytes = int(max_workspace_bytes)
         self._planner = StepPlanner(master_weights, self.store_param_remainders)
+        if self._ownership is not None:
+            self._planner.owns = self._ownership.owns
         self._distributed = DistributedStep()
         # Made by the first add_param_group, on torch's self.state: the params' table and the runner of their state.
         self._states: Optional[OptimizerState] = None
@@ -98,7 +115,7 @@ class MuonAdamW(torch.optim.Optimizer):
             raise TypeError(f"adapters must be True or False, got {adapters!r}")
         super().__init__(groups, defaults={})
         if adapters:
-            adapter_loader.bind_installed(self)
+            entry_points.bind_installed(self)
 
     def __getstate__(self) -> dict:
         if any(info.writer is not None and not info.writer.default for info in self._states.infos.values()):
@@ -106,6 +123,9 @@ class MuonAdamW(torch.optim.Optimizer):
                             "bound to its param and storage): unregister them first, or save state_dict()")
         if self._runner.staged:
             self._runner.__getstate__()  # raises: staged state is not picklable
+        if self._ownership is not None:
+            raise TypeError("an optimizer with a data_parallel_group cannot be copied or pickled (it holds a "
+                            "process group and only this rank's state): save state_dict() instead")
         state = super().__getstate__()
         state.update(master_weights=self.master_weights, store_param_remainders=self.store_param_remainders,
                      grad_attr=self.grad_attr, max_workspace_bytes=self.max_workspace_bytes,
@@ -119,6 +139,7 @@ class MuonAdamW(torch.optim.Optimizer):
         super().__setstate__(state)
         self._planner = StepPlanner(self.master_weights, self.store_param_remainders)
         self._offload_config = None  # __getstate__ refuses offloaded optimizers
+        self._ownership = None  # and data-parallel ones
         self._distributed = DistributedStep()
         self._states = OptimizerState(self.state, self.master_weights, self.store_param_remainders)
         self._runner = ResidentRunner(self._states, self.max_workspace_bytes)
@@ -130,6 +151,7 @@ class MuonAdamW(torch.optim.Optimizer):
     # Groups
     # ------------------------------------------------------------------
 
+    @gc_paused()
     def add_param_group(self, param_group: dict) -> None:
         """Validate a group, fill its defaults, create its state; re-buckets."""
         if self._states is None:  # torch's __init__ makes self.state, then adds the groups
@@ -158,12 +180,27 @@ class MuonAdamW(torch.optim.Optimizer):
         # nothing").
         group, names = agreement.agree_over_params(f"add_param_group (param group {index})", given, checks,
                                                    lambda checked: [checked[0]], 1, first_group=index)
+        if self._ownership is not None and any(writers.is_quantized(p) for p in group["params"]):
+            raise ValueError(f"param group {index}: quantized params with a data_parallel_group are not supported "
+                             "yet (their FP32 masters write them through a writer on every rank)")
+        if self._ownership is not None and any(is_dtensor(p) for p in group["params"]):
+            raise ValueError(f"param group {index}: data_parallel_group applies to plain (replicated) params; "
+                             "DTensor params share their work over their own mesh (build a separate optimizer "
+                             "for them)")
         self.param_groups.append(group)
         infos = self._states.register(index, group, names)
+        if self._ownership is not None:
+            self._ownership.add(infos, group)  # the same owners on every rank, no collective
         self._runner.add(infos, group)  # staged: state entries as views into a new CPU slab; init keeps them
-        for info in infos:
+        for info in self._owned(infos):
             self._states.init(info, group)
         self._planner.invalidate()
+
+    def _owned(self, infos: Iterable[ParamInfo]) -> List[ParamInfo]:
+        """The infos whose state this rank keeps: all, or under data-parallel ownership its own."""
+        if self._ownership is None:
+            return list(infos)
+        return [info for info in infos if self._ownership.owns(info.param)]
 
     # ------------------------------------------------------------------
     # Step
@@ -183,16 +220,7 @@ class MuonAdamW(torch.optim.Optimizer):
                 loss = closure()
         self._states.begin_call()
         try:
-            schema.check_options(self.master_weights, self.grad_attr, self.max_workspace_bytes)
-            try:
-                work = self._planner.plan(self.param_groups, self._states.infos, self._states.tensors,
-                                          self.grad_attr, hasattr(self, "found_inf"))
-                self._runner.check_step()
-            finally:  # DTensor params: every rank joins the agreement, also one whose planning just failed
-                failed = sys.exc_info()[0] is not None
-                dwork = self._distributed.plan(self._planner, self.param_groups, self._states.infos,
-                                               self._states.tensors, self.grad_attr, failed=failed,
-                                               scaler=hasattr(self, "found_inf"))
+            plan = self._plan()
         except Exception:
             # GradScaler deletes these only after a step returns: drop them so
             # that a later step does not unscale with this step's scale.
@@ -201,14 +229,44 @@ class MuonAdamW(torch.optim.Optimizer):
             raise
         self._states.pending.resolve()
         scalers = GradScalerInputs(getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
-        self._runner.run(work, self.param_groups, scalers)
-        if dwork:
-            self._distributed.run(dwork, self.param_groups, self._states, scalers, self.max_workspace_bytes)
-        self._runner.retry_stale_writers(work)
+        self._runner.run(plan, self.param_groups, scalers)  # kernels, then each item's writers
+        if self._ownership is not None:  # every param from its owner, on every rank
+            self._ownership.share(self._plain_params())
+        self._runner.retry_stale_writers(plan)
         # Every rank of a mesh where some rank has writers reports every rank's failures (docs/design.md, "Every
         # call completes or changes nothing").
         self._states.raise_writer_failures("step", self._distributed.writer_meshes)
         return loss
+
+    def _plan(self) -> List[PlannedItem]:
+        """The step's work items, every check passed on every rank (docs/design.md, "Data flow of one step"):
+        the plain params' buckets, then the DTensor params' items with the exchange each needs. Collective
+        where there are DTensor params: every rank joins their agreement, also one whose own planning just
+        failed, so that a refusal raises on every rank before any rank writes."""
+        schema.check_options(self.master_weights, self.grad_attr, self.max_workspace_bytes)
+        scaler = hasattr(self, "found_inf")
+        try:
+            items = self._planner.plan(self.param_groups, self._states.infos, self._states.tensors, self.grad_attr,
+                                       scaler)
+            self._runner.check_step()
+        finally:
+            failed = sys.exc_info()[0] is not None
+            if self._ownership is not None:  # every data-parallel rank steps, or none
+                self._ownership.agree(failed, agreement.step_digest(self.param_groups,
+                                                                    list(range(len(self.param_groups)))),
+                                      self._device())
+            shard_items = self._distributed.plan(self._planner, self.param_groups, self._states.infos,
+                                                 self._states.tensors, self.grad_attr, failed=failed, scaler=scaler)
+        return items + shard_items
+
+    def _device(self) -> torch.device:
+        """Where this optimizer's data-parallel collectives run: its first plain param's device."""
+        plain = self._plain_params()
+        return plain[0].device if plain else torch.device("cpu")
+
+    def _plain_params(self) -> List[torch.Tensor]:
+        """The optimizer's plain (non-DTensor) params, in group order: the same list on every rank."""
+        return [info.param for info in self._states.infos.values() if not is_dtensor(info.param)]
 
     # ------------------------------------------------------------------
     # Masters
@@ -247,10 +305,15 @@ class MuonAdamW(torch.optim.Optimizer):
 
         if is_dtensor(param):
             agree_on_checks(param, checks, "update_param")
+        elif self._ownership is not None:  # a collective: every data-parallel rank writes, or none
+            self._ownership.refuse_together(checks, param.device, "update_param")
         else:
             checks()
-        self._states.init(info, self.param_groups[info.group])
-        self._states.write_master(info, values.detach().to(param.device).contiguous())
+        if self._ownership is None or self._ownership.owns(param):
+            self._states.init(info, self.param_groups[info.group])
+            self._states.write_master(info, values.detach().to(param.device).contiguous())
+        if self._ownership is not None:  # the param as its owner's master mode wrote it
+            self._ownership.broadcast_from_owner(param.data, param)
         self._states.raise_writer_failures("update_param")
 
     def get_full_parameter_master(self, param: torch.nn.Parameter) -> Optional[torch.Tensor]:
@@ -263,6 +326,8 @@ class MuonAdamW(torch.optim.Optimizer):
         of the CPU FP32 master, on the CPU (never a view of the slab).
         """
         info = self._states.info(param)
+        if self._ownership is not None and not self._ownership.owns(param):
+            return None  # its owner keeps it: gather_full_parameter_master brings it to every rank
         self._check_params([info], all_state=False, reading=True)
         if is_dtensor(param):
             return local(self._states.read_master(info)) if holds_full(param) else None
@@ -273,15 +338,59 @@ class MuonAdamW(torch.optim.Optimizer):
         full FP32 master as a new plain tensor (every rank must call it, in the
         same order). For a plain param, `get_full_parameter_master`."""
         info = self._states.info(param)
+        if self._ownership is not None and not is_dtensor(param):  # from its owner, to every rank
+            owned = self._ownership.owns(param)
+            master = self._ownership.refuse_together(
+                lambda: self.get_full_parameter_master(param) if owned else None, param.device,
+                "gather_full_parameter_master")
+            if master is None:
+                master = torch.empty(param.shape, dtype=torch.float32, device=param.device)
+            self._ownership.broadcast_from_owner(master, param)
+            return master
         self._check_params([info], all_state=False, reading=True)
         master = self._states.read_master(info)
         return master.full_tensor() if is_dtensor(master) else master
+
+    def get_local_master(self, param: torch.nn.Parameter) -> torch.Tensor:
+        """A new FP32 tensor of this rank's part of the param's master: a DTensor's local shard, a plain
+        param's whole master. Never communicates (docs/design.md, "Megatron-Core adapter", QK-clip)."""
+        info = self._states.info(param)
+        self._check_params([info], all_state=False, reading=True)
+        return local(self._states.read_master(info))
+
+    @torch.no_grad()
+    def update_local_masters(self, params, values, *, process_group=None) -> None:
+        """`update_param` of this rank's parts: each param's local part (a DTensor's shard here, a plain param
+        whole) and its master set to the plain FP32 tensor of the same shape in `values`, every param checked
+        before any is written. Never communicates, except with `process_group`: one all_reduce over it, so that
+        a refusal on any of its ranks raises on every one of them before any writes (every rank calls it)."""
+        infos = [self._states.info(p) for p in params]
+        self._states.begin_call()
+
+        def checks():
+            if len(values) != len(infos):
+                raise ValueError(f"update_local_masters: {len(values)} values for {len(infos)} params")
+            if capturing():
+                raise RuntimeError("update_local_masters: not allowed during CUDA graph capture")
+            for info, v in zip(infos, values):
+                check_master_values(dataclasses.replace(info, param=local(info.param)), v)
+                if not bool(torch.isfinite(v).all()):
+                    raise ValueError(f"update_local_masters: the values for {info.name} hold NaN or inf")
+            self._check_params(infos, all_state=False, reading=False)
+
+        agreement.refuse_together(process_group, checks, "update_local_masters")
+        for info, v in zip(infos, values):
+            self._states.init(info, self.param_groups[info.group])
+            self._states.write_master(info, v.detach().to(local(info.param).device).contiguous())
+        self._states.raise_writer_failures("update_local_masters")
 
     def _check_params(self, infos: Iterable[ParamInfo], *, all_state: bool, reading: bool) -> None:
         """Outside a step, before params and masters are read or written: the step's checks (storage held, master
         mode for the dtype, state dtypes, shapes and devices), naming the param.
         Offloaded state is drained first: the CPU copy is then the state."""
         infos = list(infos)
+        if reading:  # under data-parallel ownership, only the owner has a master to read
+            infos = self._owned(infos)
         self._runner.check_access(infos)
         sharded = dtensor_infos(infos)
         self._planner.check_params([i for i in infos if not is_dtensor(i.param)], self.param_groups,
@@ -303,6 +412,9 @@ class MuonAdamW(torch.optim.Optimizer):
         (`resize_(0)`) while the optimizer steps, updates or loads the param.
         Everything is validated before anything changes."""
         info = self._states.info(param)
+        if self._ownership is not None:
+            raise ValueError("register_param_writer: not supported with a data_parallel_group yet (a non-owner "
+                             "has no master to write the param from; the params are all-gathered instead)")
         released = writers.check_registration(info, writer, storage, staged=self._runner.staged)
         if not released:
             self._check_params([info], all_state=False, reading=True)
@@ -364,20 +476,28 @@ class MuonAdamW(torch.optim.Optimizer):
     # Checkpoints
     # ------------------------------------------------------------------
 
+    @gc_paused()
     def state_dict(self) -> dict:
         """torch's layout, with every master stored as an FP32 tensor (portable
         between remainder and non-remainder configurations). Runs the hooks of
         `register_state_dict_pre_hook` / `register_state_dict_post_hook`."""
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
-        self._check_params(self._states.infos.values(), all_state=False, reading=True)
-        state_dict = checkpoint.state_dict(self.param_groups, self._states)
+        if self._ownership is not None:  # a collective: every rank gets the whole state, from the owners
+            self._ownership.refuse_together(
+                lambda: self._check_params(self._states.infos.values(), all_state=False, reading=True),
+                self._device(), "state_dict")
+            state_dict = checkpoint.state_dict(self.param_groups, self._states, self._ownership)
+        else:
+            self._check_params(self._states.infos.values(), all_state=False, reading=True)
+            state_dict = checkpoint.state_dict(self.param_groups, self._states)
         for hook in self._optimizer_state_dict_post_hooks.values():
             result = hook(self, state_dict)
             if result is not None:
                 state_dict = result
         return state_dict
 
+    @gc_paused()
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a state dict saved by MuonAdamW (any master configuration) or
         with TransformerEngine-style int16 `master_param` remainders.
@@ -401,11 +521,19 @@ class MuonAdamW(torch.optim.Optimizer):
 
         params = [info.param for info in self._states.infos.values()]
         meshes = agreement.meshes_of(params)
-        # DTensor params: every rank loads, or none (and with the same settings).
-        checked = agreement.agree_over_params("load_state_dict", params, checks,
-                                              lambda checked: checked.merged_groups, len(self.param_groups),
-                                              meshes=meshes)
+        if self._ownership is not None:  # every data-parallel rank loads, or none
+            checked = self._ownership.refuse_together(checks, self._device(), "load_state_dict")
+        else:
+            # DTensor params: every rank loads, or none (and with the same settings).
+            checked = agreement.agree_over_params("load_state_dict", params, checks,
+                                                  lambda checked: checked.merged_groups, len(self.param_groups),
+                                                  meshes=meshes)
         checkpoint.apply_state_dict(self.param_groups, self._states, checked, capturable=self.capturable)
+        if self._ownership is not None:  # a whole state dict (any data-parallel size): keep the owned state
+            for info in self._states.infos.values():  # the owner settles the master; the step shares the param
+                if not self._ownership.owns(info.param):
+                    self._states.pending.forget(info.param)
+                    self.state.pop(info.param, None)
         self._runner.adopt(self.param_groups)  # staged: entries the load created go into the slabs
         self._planner.invalidate()
         for hook in self._optimizer_load_state_dict_post_hooks.values():

@@ -31,10 +31,10 @@ from typing import Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
-from . import _C, ops
+from . import _C, op_arguments, ops
 
 __all__ = ["RowBlocks", "of_group", "parse", "check", "interleaved", "stats_shape", "stats_numel", "calls",
-           "scaled", "muon_step", "local_runs", "orthogonalize_blocks", "block_stats", "gram_parts"]
+           "muon_step", "local_runs", "orthogonalize_blocks", "block_stats", "gram_parts"]
 
 
 class RowBlocks(NamedTuple):
@@ -105,13 +105,6 @@ def _scales(scales, count: int, where: str) -> Tuple[float, ...]:
         raise ValueError(f"{where}row_block_scales must be None or {count} positive finite numbers (one per row "
                          f"block), got {scales!r}")
     return tuple(float(v) for v in scales)
-
-
-def scaled(lr, weight_decay: float, scale: float):
-    """A block's (lr, weight_decay) under its row_block_scales entry: the decay stays lr * weight_decay."""
-    if scale == 1.0:
-        return lr, weight_decay
-    return lr * scale, weight_decay / scale
 
 
 def _frozen(spec, where: str):
@@ -193,7 +186,7 @@ def calls(blocks: Optional[RowBlocks], params, grads, moms, stats, masters) -> I
     stats, masters)), lists of matrices [rows, cols]: the lists themselves
     (scale 1) without blocks, else one call per block size and scale, each
     block a matrix of its own (written back into the param-shaped tensors
-    after the last call); `scaled` gives a call's lr and weight decay."""
+    after the last call); `op_arguments.muon_apply` gives a call's lr and weight decay."""
     if blocks is None:
         yield 1.0, (params, grads, moms, stats, masters)
         return
@@ -226,13 +219,9 @@ def muon_step(blocks: Optional[RowBlocks], group: dict, params, grads, moms, sta
     if blocks is not None:
         checked = None  # the calls take block views, which the token does not cover
     for scale, (ps, gs, ms, ss, masters_) in calls(blocks, params, grads, moms, stats, masters):
-        lr, weight_decay = scaled(group["lr"], group["weight_decay"], scale)
-        ops.muon_step(ps, gs, ms, ss, masters=masters_, lr=lr, momentum=group["momentum"],
-                      nesterov=group["nesterov"], beta2=group["beta2"], weight_decay=weight_decay,
-                      ns_steps=group["ns_steps"], ns_coefficients=group["ns_coefficients"],
-                      lr_scale=group["lr_scale"], polar_dtype=group["polar_dtype"],
-                      polar_method=group["polar_method"], inv_scale=inv_scale, found_inf=found_inf,
-                      max_workspace_bytes=max_workspace_bytes, checked=checked)
+        ops.muon_step(ps, gs, ms, ss, masters=masters_, inv_scale=inv_scale, found_inf=found_inf,
+                      max_workspace_bytes=max_workspace_bytes, checked=checked,
+                      **op_arguments.muon_step(group, scale))
 
 
 def orthogonalize_blocks(blocks: Optional[RowBlocks], whole: List[torch.Tensor], stats: List[torch.Tensor],
@@ -266,7 +255,7 @@ def local_runs(blocks: RowBlocks, local_rows: torch.Tensor) -> List[Tuple[int, f
 
 def gram_parts(blocks: Optional[RowBlocks], held_rows: Optional[torch.Tensor], rows: int,
                cols: int) -> List[Tuple[Optional[torch.Tensor], Optional[torch.Tensor], Tuple[int, int]]]:
-    """The matrices a shard orthogonalizes in place (split_polar="gram"), in block order, the same on every
+    """The matrices a shard orthogonalizes in place (split_matrices="in_place"), in block order, the same on every
     rank: [(its local rows, or None for all; its positions along a row split within the block, or None for
     the shard's own; the block's whole shape)]. `held_rows`: the global rows a row-split shard holds, in local
     order (None: the shard holds every row)."""

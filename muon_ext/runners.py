@@ -25,10 +25,12 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from . import ops, row_blocks
+from . import op_arguments, ops, row_blocks
 from ._shapes import as_matrices
 from ._types import WorkItem
 from .amp import GradScalerInputs
+from .distributed.placements import local
+from .distributed.step import mesh_scalers
 
 __all__ = ["ResidentRunner"]
 
@@ -49,8 +51,11 @@ class ResidentRunner:
 
     def run(self, work: List[Tuple[WorkItem, StateLists, Optional[object]]], groups: List[dict],
             scalers: GradScalerInputs) -> None:
+        """Every planned item in plan order (the same order on every rank: a DTensor item's collectives, its
+        mesh's GradScaler agreement and its exchange, are entered alike everywhere)."""
+        agreed: Dict[object, Tuple] = {}  # per mesh: GradScaler's inputs with found_inf summed over it
         for item, state, checked in work:
-            self._run_item(item, state, scalers, checked)
+            self._run_item(item, state, scalers, checked, agreed)
 
     def drain(self) -> None:
         """Nothing is in flight: kernels and writers run on the caller's stream."""
@@ -87,10 +92,20 @@ class ResidentRunner:
 
     # -- one item ---------------------------------------------------------
 
-    def _run_item(self, item: WorkItem, state: StateLists, scalers: GradScalerInputs, checked=None) -> None:
-        """`checked`: the planner's token for this item's lists (buckets.PlannedItem), handed to the op."""
+    def _run_item(self, item: WorkItem, state: StateLists, scalers: GradScalerInputs, checked=None,
+                  agreed: Optional[Dict] = None) -> None:
+        """`checked`: the planner's token for this item's lists (buckets.PlannedItem), handed to the op.
+        `agreed`: the step's GradScaler inputs per mesh, filled at a mesh's first item."""
+        if item.mesh is not None:  # the ranks of a mesh skip or step together
+            inv_scale, found_inf = mesh_scalers(item.mesh, item.params[0].device, scalers,
+                                                {} if agreed is None else agreed)
+        if item.exchange is not None:  # rows travel to each matrix's owner and back (distributed/step.py)
+            item.exchange.run(item, self.states, inv_scale, found_inf, self.max_workspace_bytes)
+            self._write(item, None, found_inf)
+            return
         kernel_item, kernel_state = self.acquire(item, state)
-        inv_scale, found_inf = scalers.on(kernel_item.params[0].device)
+        if item.mesh is None:
+            inv_scale, found_inf = scalers.on(kernel_item.params[0].device)
         if item.bucket.kind == "adamw":
             self._adamw(kernel_item, kernel_state, inv_scale, found_inf, checked)
         else:
@@ -113,7 +128,7 @@ class ResidentRunner:
         if not item.bucket.writes_params:
             for p, master in zip(item.params, masters):
                 self.states.run_writer(self.states.info(p), master, found_inf)  # a failure is reported at the end
-        torch.autograd.graph.increment_version(item.params)
+        torch.autograd.graph.increment_version(item.owners)
 
     @staticmethod
     def _kernel_params(item: WorkItem, state: StateLists):
@@ -124,33 +139,28 @@ class ResidentRunner:
         return state["master_param"], ()
 
     def _adamw(self, item: WorkItem, state: StateLists, inv_scale, found_inf, checked) -> None:
-        group = item.group
         params, masters = self._kernel_params(item, state)
-        beta1, beta2 = group["betas"]
-        lr = group["lr"]
+        settings = op_arguments.adamw(item.group)
+        lr = settings["lr"]
         if isinstance(lr, torch.Tensor) and params and lr.device != params[0].device:
             # Offloaded AdamW of CUDA params runs on the CPU (the planner admitted
             # the lr for the params' device); the host already waits for its grads.
-            lr = lr.to(params[0].device)
-        ops.adamw_step(
-            params, item.grads, state["exp_avg"], state["exp_avg_sq"], state["step"],
-            masters=masters, lr=lr, beta1=beta1,
-            beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"], adam_w_mode=group["adam_w_mode"],
-            bias_correction=group["bias_correction"], inv_scale=inv_scale, found_inf=found_inf, checked=checked,
-        )
+            settings["lr"] = lr.to(params[0].device)
+        ops.adamw_step(params, item.grads, state["exp_avg"], state["exp_avg_sq"], state["step"], masters=masters,
+                       inv_scale=inv_scale, found_inf=found_inf, checked=checked, **settings)
 
     def _muon(self, item: WorkItem, state: StateLists, inv_scale, found_inf, checked) -> None:
         group, view = item.group, item.group["matrix_view"]
         params, masters = self._kernel_params(item, state)
-        second_moments = []
+        second_momentum_buffers = []
         if group["beta2"] is not None:
-            second_moments = state["second_momentum_buffer"]
-            if second_moments is None:  # beta2 was switched on after construction
-                for p in item.params:
+            second_momentum_buffers = state["second_momentum_buffer"]
+            if second_momentum_buffers is None:  # beta2 was switched on after construction
+                for p in item.owners:
                     self.states.init(self.states.info(p), group)
-                second_moments = [self.states.tensors[p]["second_momentum_buffer"] for p in item.params]
+                second_momentum_buffers = [local(self.states.tensors[p]["second_momentum_buffer"]) for p in item.owners]
         grads, moms = item.grads, state["momentum_buffer"]
         if view == "flatten":  # the only view that is not the tensors themselves
             params, grads, moms, masters = ([as_matrices(t, view) for t in ts] for ts in (params, grads, moms, masters))
-        row_blocks.muon_step(item.blocks, group, params, grads, moms, second_moments, masters, inv_scale=inv_scale,
+        row_blocks.muon_step(item.blocks, group, params, grads, moms, second_momentum_buffers, masters, inv_scale=inv_scale,
                              found_inf=found_inf, max_workspace_bytes=self.max_workspace_bytes, checked=checked)

@@ -14,12 +14,12 @@ from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
-from . import _C, ops, row_blocks
+from . import _C, op_arguments, ops, row_blocks
 from ._types import Kind
 
 __all__ = [
     "MUON_DEFAULTS", "ADAMW_DEFAULTS", "DEFAULTS", "SUPPORTED_DTYPES", "Range", "RANGES", "MODES",
-    "label", "check_hyper", "check_lr", "check_lr_value", "check_options", "new_group",
+    "label", "check_hyper", "check_lr", "check_lr_value", "check_block_scales", "check_options", "new_group",
 ]
 
 MUON_DEFAULTS = {
@@ -138,11 +138,33 @@ def check_lr(where: str, lr, kind: str) -> None:
     _check_range(where, "lr", lr, kind)
 
 
-def check_lr_value(where: str, value: float, kind: str) -> None:
-    """A host lr value (read from a CPU lr tensor) in the kind's range."""
+def check_lr_value(where: str, value: float, kind: str, group: Optional[dict] = None) -> None:
+    """A host lr value (read from a CPU lr tensor) in the kind's range; with its `group`, also the lr of each
+    row block (`check_block_scales`)."""
     r = RANGES[(kind, "lr")]
     if not r.admits(value):
         raise ValueError(f"{where}lr must be finite and {r.describe()}, got {value}")
+    if group is not None:
+        check_block_scales(where, group, value)
+
+
+def check_block_scales(where: str, group: dict, lr: float) -> None:
+    """row_block_scales multiply a block's lr and divide its weight decay (op_arguments.block_lr_and_decay): each block's lr
+    and weight decay must be in the kernels' ranges. The lr and weight decay are per-step settings (schedulers
+    edit them), so the planner checks the products at every step, for every group, before any write
+    (docs/design.md, "Row blocks"); else the kernel refused a huge product after other params, and the
+    param's earlier blocks, were written."""
+    scales = group.get("row_block_scales")
+    if group.get("kind") != "muon" or group.get("row_blocks") is None or not isinstance(scales, (tuple, list)):
+        return
+    for k, scale in enumerate(scales):
+        block_lr, block_decay = op_arguments.block_lr_and_decay(lr, group["weight_decay"], float(scale))
+        for name, value in (("lr", block_lr), ("weight_decay", block_decay)):
+            r = RANGES[("muon", name)]
+            if not r.admits(value):
+                raise ValueError(f"{where}row_block_scales[{k}]={scale!r} gives row block {k} a {name} of {value:.6g} "
+                                 f"({name} {'times' if name == 'lr' else 'divided by'} the scale), outside the "
+                                 f"kernels' range {r.describe()} (float32)")
 
 
 def check_hyper(index: int, group: dict) -> None:
@@ -184,13 +206,33 @@ def check_hyper(index: int, group: dict) -> None:
     if ns_steps > len(coefficients):
         raise ValueError(f"{where}ns_steps={ns_steps} but only {len(coefficients)} coefficient tuples")
     _check_row_blocks(where, group)
-    if group.get("split_polar", "exchange") not in SPLIT_POLAR:
-        raise ValueError(f"{where}split_polar must be one of {SPLIT_POLAR}, got {group['split_polar']!r}")
+    if group.get("split_matrices", "gather") not in SPLIT_MATRICES:
+        raise ValueError(f"{where}split_matrices must be one of {SPLIT_MATRICES}, got {group['split_matrices']!r}")
+    if group.get("split_matrices") == "in_place" and group["polar_method"] != "standard":
+        raise ValueError(f"{where}polar_method={group['polar_method']!r} with split_matrices='in_place': matrices "
+                         "split over ranks are orthogonalized on their shards by the standard iteration (one Gram "
+                         "all_reduce per iteration); set polar_method='standard', or split_matrices='gather' to "
+                         "orthogonalize each matrix whole on one rank")
 
 
-# How a DTensor Muon matrix split over one mesh dim is orthogonalized (optional key, absent = "exchange"):
-# gathered whole at an owner rank, or in place by Gram all_reduces (distributed/tp_polar.py; FP32 GEMMs).
-SPLIT_POLAR = ("exchange", "gram")
+# How a DTensor Muon matrix split over one mesh dim is orthogonalized (optional key, absent = "gather"):
+# gathered whole at an owner rank, or in place on its shards by Gram all_reduces (distributed/tp_polar.py;
+# in polar_dtype, polar_method "standard" only).
+SPLIT_MATRICES = ("gather", "in_place")
+# The key's earlier name and values, still accepted (groups and checkpoints of earlier versions).
+_LEGACY_SPLIT_POLAR = {"exchange": "gather", "gram": "in_place"}
+
+
+def rename_legacy_keys(where: str, group: dict) -> None:
+    """A group (or a saved group) written with earlier key names, in place under today's: `split_polar`
+    ("exchange" / "gram") is `split_matrices` ("gather" / "in_place")."""
+    if "split_polar" not in group:
+        return
+    value = group.pop("split_polar")
+    if value not in _LEGACY_SPLIT_POLAR:
+        raise ValueError(f"{where}split_polar (now split_matrices) must be one of {tuple(_LEGACY_SPLIT_POLAR)}, "
+                         f"got {value!r}")
+    group.setdefault("split_matrices", _LEGACY_SPLIT_POLAR[value])
 
 
 def _check_row_blocks(where: str, group: dict) -> None:
@@ -236,6 +278,7 @@ def new_group(index: int, param_group: dict) -> Tuple[dict, List[Optional[str]]]
     names = list(group.get("param_names", [])) or [None] * len(params)
     if len(names) != len(params):
         raise ValueError(f"param group {index}: {len(names)} param_names for {len(params)} params")
+    rename_legacy_keys(f"param group {index}: ", group)
     for key, value in DEFAULTS[kind].items():
         group.setdefault(key, value)
     group["params"] = params

@@ -10,7 +10,7 @@ config, as torchtitan's `default_adamw()` does::
 
     def llama3_debugmodel_muon():
         config = llama3_debugmodel()
-        config.optimizer = muon_adamw(lr=0.02, adamw_lr=8e-4)
+        config.optimizer = muon_adamw(lr=8e-4)   # the recipe's AdamW lr serves both kinds
         return config
 
 Groups (`LLAMA_GROUPS`, first match wins): embeddings, the output head,
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 try:
     from torchtitan.components.optimizer import OptimizersContainer, ParamGroupConfig
@@ -41,10 +41,12 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("muon_ext.torchtitan needs torchtitan: pip install 'muon_ext[titan]'") from exc
 
 from . import MuonAdamW  # the public name: only __init__ imports optimizer.py
+from .grouping import resolve_lrs
 
-__all__ = ["OPTIMIZER_NAME", "LLAMA_GROUPS", "MuonAdamWContainer", "build_muon_adamw", "muon_adamw"]
+__all__ = ["OPTIMIZER_NAME", "LLAMA_GROUPS", "DEFAULT_LR", "MuonAdamWContainer", "build_muon_adamw", "muon_adamw"]
 
 OPTIMIZER_NAME = "MuonAdamW"
+DEFAULT_LR = 8e-4  # torchtitan's default_adamw() lr: the one lr of muon_adamw() when none is given
 
 # (FQN pattern, kind), first match wins; written for torchtitan's llama3 / qwen3 / deepseek_v3 names.
 # Routers ([experts, dim]) score experts for a top-k: a small classifier head, not a hidden layer.
@@ -115,15 +117,29 @@ class MuonAdamWContainer(OptimizersContainer):
         return super()._build_param_groups(model, used, impl_kwargs)
 
 
-def muon_adamw(lr: float = 0.02, adamw_lr: float = 8e-4, *, weight_decay: float = 0.1,
+def muon_adamw(lr: Optional[float] = None, adamw_lr: Optional[float] = None, *, weight_decay: Optional[float] = None,
                adamw_weight_decay: float = 0.1, adamw_betas: Sequence[float] = (0.9, 0.95), adamw_eps: float = 1e-8,
                groups: Sequence[Tuple[str, str]] = LLAMA_GROUPS, muon_options: Dict[str, Any] = None,
                optimizer_options: Dict[str, Any] = None) -> MuonAdamWContainer.Config:
     """A `MuonAdamWContainer.Config`: one ParamGroupConfig per (pattern, kind)
     of `groups`, Muon ones with `lr`, `weight_decay` and `muon_options`
-    (momentum, beta2, ns_steps, matrix_view, ...), AdamW ones with `adamw_*`;
-    `optimizer_options` go to the MuonAdamW constructor."""
-    muon_kwargs = {"kind": "muon", "lr": lr, "weight_decay": weight_decay, **_MUON_DEFAULTS, **(muon_options or {})}
+    (momentum, beta2, ns_steps, matrix_view, lr_scale, ...), AdamW ones with
+    `adamw_*`; `optimizer_options` go to the MuonAdamW constructor.
+
+    One learning rate by default (docs/guide.md, "One learning rate"): the lr
+    given (`lr` or `adamw_lr`; torchtitan's AdamW default 8e-4 when neither
+    is) and `adamw_weight_decay` serve both kinds, Muon updates scaled to
+    AdamW's update RMS (`lr_scale="match_rms_adamw"`). Given both `lr` and
+    `adamw_lr`, Muon takes `lr` on its own scale (`lr_scale` "original",
+    `weight_decay` or 0.1), as before this default."""
+    two_lrs = lr is not None and adamw_lr is not None
+    muon_options = dict(muon_options or {})
+    lr, adamw_lr, lr_scale = resolve_lrs(lr, adamw_lr, muon_options.pop("lr_scale", None), DEFAULT_LR)
+    if weight_decay is None:
+        weight_decay = 0.1 if two_lrs else adamw_weight_decay
+    muon_kwargs = {"kind": "muon", "lr": lr, "weight_decay": weight_decay, **_MUON_DEFAULTS, **muon_options}
+    if lr_scale is not None:
+        muon_kwargs["lr_scale"] = lr_scale
     adamw_kwargs = {"kind": "adamw", "lr": adamw_lr, "weight_decay": adamw_weight_decay,
                     "betas": tuple(adamw_betas), "eps": adamw_eps}
     return MuonAdamWContainer.Config(

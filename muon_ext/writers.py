@@ -194,12 +194,12 @@ def check_released(info: ParamInfo, where: str) -> None:
     """A param whose storage is released may be stepped, updated or loaded only
     through a writer registered with `storage=` naming that same storage."""
     p, entry = info.param, info.writer
-    if entry is not None and entry.default:
+    if entry is None:
+        return  # the step's own check names a released storage (param_storage)
+    if entry.default:
         return  # a quantized param keeps its data in its own fields
     if storage_held(p):
         return
-    if entry is None:
-        return  # the step's own check names it (param_storage)
     if entry.storage is None:
         raise ValueError(f"{where}{info.name}: its storage is released and its writer was registered without "
                          "storage=; register the writer with storage=param.untyped_storage() to accept that")

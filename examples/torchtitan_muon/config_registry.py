@@ -21,16 +21,16 @@ from muon_ext.torchtitan import muon_adamw
 
 
 def llama3_debugmodel_muon():
-    """torchtitan's llama3 debug model; hidden matrices on Muon (lr 0.02), embeddings, output and norms on AdamW
-    (torchtitan's debug lr 8e-4)."""
+    """torchtitan's llama3 debug model; hidden matrices on Muon, embeddings, output and norms on AdamW, both at the
+    recipe's AdamW lr (8e-4) and weight decay (docs/guide.md, "One learning rate")."""
     config = llama3_debugmodel()
-    config.optimizer = muon_adamw(lr=0.02, adamw_lr=8e-4)
+    config.optimizer = muon_adamw(lr=8e-4)
     return config
 
 
 def llama3_8b_muon():
     config = llama3_8b()
-    config.optimizer = muon_adamw(lr=0.02, adamw_lr=3e-4, optimizer_options={"master_weights": "auto"})
+    config.optimizer = muon_adamw(lr=3e-4, optimizer_options={"master_weights": "auto"})  # llama3_8b's AdamW lr
     return config
 
 

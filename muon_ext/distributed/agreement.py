@@ -28,18 +28,20 @@ from ..schema import DEFAULTS
 from .placements import local
 
 __all__ = ["SETTINGS", "group_digests", "agree", "agree_over_params", "step_digest", "meshes_of", "device_of",
-           "share_failures", "RemoteWriterFailure"]
+           "share_failures", "RemoteWriterFailure", "device_lr_digest", "lr_code",
+           "refuse_together"]
 
 # Every setting of either kind, plus the group's kind and its params' layout.
 # With the optional Muon keys that shape a step's exchanges (row blocks cut the owners' matrices),
 # and CPU_POLAR_GEMM: not a group key but this rank's CPU BF16 GEMM path for the group (see cpu_polar_gemm).
 CPU_POLAR_GEMM = "cpu_polar_gemm"
 SETTINGS: Tuple[str, ...] = ("kind", "params") + tuple(sorted(set(DEFAULTS["muon"]) | set(DEFAULTS["adamw"]))) + (
-    "row_blocks", "row_block_scales", "split_polar", CPU_POLAR_GEMM)
+    "row_blocks", "row_block_scales", "split_matrices", CPU_POLAR_GEMM)
 
 # Not in the step's digest: the params' layout cannot change after construction (the planner refuses
-# edited groups) and costs O(params) to hash; a tensor lr would need a host read (and lr never shapes a collective).
-_PER_CALL_ONLY = ("params", "lr")
+# edited groups) and costs O(params) to hash. The lr is in it (a scheduler stepped on one rank only would let
+# replicas drift apart): a float or CPU tensor lr by value, a device tensor lr on the device (device_lr_digest).
+_PER_CALL_ONLY = ("params",)
 
 T = TypeVar("T")
 
@@ -184,11 +186,63 @@ def _what_differs(key: str) -> str:
 _STEP_SETTINGS = tuple(key for key in SETTINGS if key not in _PER_CALL_ONLY)
 
 
+_DIGEST_BITS = 20
+_DEVICE_LR = "<device tensor lr: digested on the device>"
+
+
+def _on_device(lr) -> bool:
+    return isinstance(lr, torch.Tensor) and lr.device.type != "cpu"
+
+
 def step_digest(groups: Sequence[dict], indices: Sequence[int]) -> int:
-    """A 20-bit digest of the settings of groups `indices`, for the step's sum
-    all_reduce: carrying d and d*d, the sums satisfy W * sum(d*d) == sum(d)**2
-    exactly when every rank's d is the same (no extra collective)."""
-    return _hash(tuple(tuple(group_digests(groups[i], _STEP_SETTINGS)) for i in indices)) % (1 << 20)
+    """A 20-bit digest of the settings of groups `indices` (every per-step
+    setting, the lr included), for the step's sum all_reduce: carrying d and
+    d*d, the sums satisfy W * sum(d*d) == sum(d)**2 exactly when every rank's d
+    is the same (no extra collective). A device tensor lr (capturable) is left
+    to `device_lr_digest`, so that the host never waits for the device."""
+    return _hash(tuple(tuple(group_digests(dict(groups[i], lr=_DEVICE_LR) if _on_device(groups[i]["lr"])
+                                           else groups[i], _STEP_SETTINGS)) for i in indices)) % (1 << _DIGEST_BITS)
+
+
+def lr_code(lr: torch.Tensor) -> torch.Tensor:
+    """A 20-bit code of a one-element float32 lr tensor's bits, computed where it lives (int64, 0-dim)."""
+    bits = lr.detach().reshape(1).to(torch.float32).view(torch.int32).to(torch.int64)[0] & 0xFFFFFFFF
+    return ((bits * 2654435761) >> 16) & ((1 << _DIGEST_BITS) - 1)  # multiplicative hash: every bit counts
+
+
+def device_lr_digest(groups: Sequence[dict], indices: Sequence[int], digest: int,
+                     device: torch.device) -> Optional[torch.Tensor]:
+    """`digest` with the values of the device tensor lrs of groups `indices` folded in, on `device` (a 0-dim
+    int64 tensor, no host sync); None where no such group has one (`digest` is then the whole digest)."""
+    lrs = [groups[i]["lr"] for i in indices if _on_device(groups[i]["lr"])]
+    if not lrs:
+        return None
+    out = torch.tensor(digest, dtype=torch.int64, device=device)
+    for lr in lrs:
+        out = (out * 31 + lr_code(lr.to(device, non_blocking=True))) & ((1 << _DIGEST_BITS) - 1)
+    return out
+
+
+def refuse_together(process_group, checks: Callable[[], T], what: str) -> T:
+    """Runs `checks()`; with a `process_group` (None: none, the call is rank-local), then one all_reduce of
+    "refused" over it, so that a refusal on any of its ranks raises on every one (its own error there, a
+    RuntimeError naming `what` elsewhere) before any writes. Every rank of the group must call it."""
+    if process_group is None or not dist.is_initialized():
+        return checks()
+    result, error = None, None
+    try:
+        result = checks()
+    except Exception as exc:  # raised after the collective every rank joins
+        error = exc
+    backend = dist.get_backend(process_group)
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+    refused = torch.tensor([int(error is not None)], dtype=torch.int32, device=device)
+    dist.all_reduce(refused, group=process_group)
+    if error is not None:
+        raise error
+    if int(refused.item()):
+        raise RuntimeError(f"{what}: refused on another rank (see its error there); nothing was written on any rank")
+    return result
 
 
 def device_of(params) -> torch.device:

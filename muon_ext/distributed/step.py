@@ -22,18 +22,20 @@ from typing import Callable, Dict, List, Mapping, NamedTuple, Tuple
 import torch
 import torch.distributed as dist
 
-from .. import _C, ops, row_blocks
+from .. import _C, op_arguments, ops, row_blocks
 from .._shapes import as_matrices, matrix_shape
 from ..amp import capturing
-from .._types import ParamInfo, is_dtensor
+from .._types import Bucket, ParamInfo, WorkItem, is_dtensor
+from ..buckets import PlannedItem
 from ..schema import SUPPORTED_DTYPES
-from .agreement import step_digest
+from .agreement import device_lr_digest, step_digest
 from .exchange import exchange_replicated, exchange_sharded
-from .placements import Layout, dim_indices, expected_local_shape, is_split, local, matrix_layout
+from .ownership import polar_flops
+from .placements import Layout, dim_indices, expected_local_shape, is_split, layout_of, local, matrix_layout
 from .stacks import matrices
 from .shard_group import ShardGroup, shard_group
 from .state import stats_follow_rows, stats_local_shape
-from .tp_polar import normuon_sharded, polar_express_sharded
+from .tp_polar import NormuonShard, ShardedBatch, normuon_sharded, polar_express_shards
 
 __all__ = ["DistributedStep", "dtensor_infos", "agree_on_checks"]
 
@@ -189,7 +191,7 @@ class DistributedStep:
             raise error
         if failed:
             return None
-        return _work(dinfos, self._local_grads(dinfos, grads), groups)
+        return self._items(dinfos, self._local_grads(dinfos, grads), groups, tensors)
 
     def _agree(self, infos: List[ParamInfo], grads: Dict, refused: bool, grad_attr: str, groups: List[dict],
                scaler: bool, writers: bool) -> None:
@@ -205,14 +207,18 @@ class DistributedStep:
             device = local(members[0].param).device
             # The settings of the mesh's groups and the GradScaler's presence, checked equal on every rank
             # without another collective (agreement.step_digest); settings edited on one rank only would
-            # otherwise post mismatched exchanges.
-            digest = step_digest(groups, sorted({i.group for i in members}))
+            # otherwise post mismatched exchanges, or (the lr) let replicas drift apart.
+            indices = sorted({i.group for i in members})
+            digest = step_digest(groups, indices)
             present = [grads.get(id(i.param)) is not None for i in members]
             codes = [_placements_code(grads[id(i.param)].placements) if here else 0
                      for i, here in zip(members, present)]
             bits = torch.tensor([int(refused), int(scaler), digest, digest * digest, int(writers)]
                                 + [int(here) for here in present] + codes + [c * c for c in codes],
                                 dtype=torch.int64, device=device)
+            with_device_lr = device_lr_digest(groups, indices, digest, device)
+            if with_device_lr is not None:  # a capturable lr's value, folded in on the device
+                bits[2], bits[3] = with_device_lr, with_device_lr * with_device_lr
             _all_reduce_over(mesh, bits)
             sums = bits.tolist()
             if sums[0]:
@@ -241,48 +247,49 @@ class DistributedStep:
                     raise ValueError(f"MuonAdamW.step: {info.name}'s {grad_attr} has different placements on "
                                      f"different ranks of its mesh; nothing was written on any rank")
 
-    # -- run --------------------------------------------------------------
+    # -- work items -------------------------------------------------------
 
-    def run(self, work, groups: List[dict], states, scalers, max_workspace_bytes: int) -> None:
-        """Runs planned work: AdamW on local shards, Muon by exchange groups.
-        With a GradScaler (every rank must use one, or none) its found_inf is
-        summed over each mesh first: one more small all_reduce per mesh."""
-        adamw, muon = work
-        agreed: Dict[object, Tuple] = {}
-
-        def scaler_inputs(entries: List[_Entry]) -> Tuple:
-            """GradScaler's (inv_scale, found_inf) with found_inf summed over the mesh: the ranks of a mesh skip
-            or step together (an owner skipping would send stale rows to ranks that step)."""
-            mesh = entries[0].info.param.device_mesh
-            if mesh not in agreed:
-                inv_scale, found_inf = scalers.on(entries[0].param.device)
-                if found_inf is not None:
-                    found_inf = found_inf.clone()
-                    _all_reduce_over(mesh, found_inf)
-                agreed[mesh] = (inv_scale, found_inf)
-            return agreed[mesh]
-
+    def _items(self, infos: List[ParamInfo], grads: Dict, groups: List[dict], tensors: Mapping) -> List[PlannedItem]:
+        """The DTensor params' part of the step's plan, in the same order on every rank: AdamW items on the
+        local shards, then per Muon exchange group one item whose `exchange` brings each matrix's rows to its
+        owner, or, where every matrix is whole on every rank, fused-kernel items like plain params'. Items of
+        a group are cut by (param dtype, master mode, grad dtype): the kernels take one of each per call."""
+        adamw, muon = _work(infos, grads, groups)
+        items: List[PlannedItem] = []
         for gi, entries in adamw:
-            self._adamw(groups[gi], entries, states.tensors, *scaler_inputs(entries))
+            items += _local_items(Bucket(gi, "adamw", [e.info.param for e in entries]), groups[gi], entries,
+                                  tensors, ("exp_avg", "exp_avg_sq", "step"), None)
         first = 0  # the owner of each exchange group's first matrix: rotates, so that small groups spread out
+        in_place: Dict[Tuple, List[MuonMatrices]] = {}  # (mesh, mesh dim) -> matrices split there, in order
         for (gi, rows, cols, _, _), entries in muon:
-            self._muon(groups[gi], rows, cols, entries, states, max_workspace_bytes, first, *scaler_inputs(entries))
+            group, p = groups[gi], entries[0].info.param
+            # a stack's layout is its matrices' (docs/design.md, "Expert stacks"): a split of the batch dim
+            # leaves whole matrices on each rank
+            layout, shape = matrix_layout(p, group["matrix_view"])
+            stack = len(shape) < p.dim()
+            bucket = Bucket(gi, "muon", [e.info.param for e in entries])
+            blocks = row_blocks.of_group(group, rows)  # each block a matrix of its own (docs/design.md,
+            # "Row blocks"): cut at the owners' orthogonalization and at phase 3, on the rows each rank holds
+            same_shape = MuonMatrices(group, rows, cols, entries, blocks, stack)
+            if not layout.split_dims and not layout.replicate_dims:  # every matrix whole, no one to share with
+                items += _local_items(bucket, group, entries, tensors, _MUON_KEYS, blocks)
+            elif len(layout.split_dims) == 1 and not layout.replicate_dims and not stack and \
+                    group.get("split_matrices", "gather") == "in_place":
+                key = (layout.mesh, layout.split_dims[0])
+                if key not in in_place:  # one item for all of them, where the first of them is
+                    in_place[key] = WorkItem(bucket, group, [], [], None, [], InPlaceExchange(self, []))
+                    items.append(PlannedItem(in_place[key], {}, None))
+                item = in_place[key]  # its lists grow: it steps (and versions) every matrix its exchange lists
+                item.exchange.matrices.append(same_shape)
+                item.params.extend(e.param for e in entries)
+                item.grads.extend(e.grad for e in entries)
+                item.dtensors.extend(e.info.param for e in entries)
+            else:
+                item = WorkItem(bucket, group, [e.param for e in entries], [e.grad for e in entries], blocks,
+                                [e.info.param for e in entries], MuonExchange(self, same_shape, first))
+                items.append(PlannedItem(item, {}, None))
             first += len(entries)
-        written = [e.info.param for _, entries in adamw + muon for e in entries]
-        if written:
-            torch.autograd.graph.increment_version(written)
-
-    def _adamw(self, group: dict, entries: List[_Entry], tensors, inv_scale, found_inf) -> None:
-        for batch in _batches(entries, lambda e: (e.param.dtype, e.info.master_mode, e.grad.dtype)):
-            state = [tensors[e.info.param] for e in batch]
-            beta1, beta2 = group["betas"]
-            ops.adamw_step(
-                [e.param for e in batch], [e.grad for e in batch], [local(s["exp_avg"]) for s in state],
-                [local(s["exp_avg_sq"]) for s in state], [local(s["step"]) for s in state],
-                masters=[local(s["master_param"]) for s in state if "master_param" in s], lr=group["lr"],
-                beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                adam_w_mode=group["adam_w_mode"], bias_correction=group["bias_correction"], inv_scale=inv_scale,
-                found_inf=found_inf)
+        return items
 
     def _shard_group(self, layout: Layout, shape: Tuple[int, ...]) -> ShardGroup:
         key = (layout, shape)
@@ -290,51 +297,69 @@ class DistributedStep:
             self._shard_groups[key] = shard_group(layout, shape)
         return self._shard_groups[key]
 
-    def _muon(self, group: dict, rows: int, cols: int, entries: List[_Entry], states, max_workspace_bytes: int,
-              first: int, inv_scale, found_inf) -> None:
-        view = group["matrix_view"]
-        # a stack's layout is its matrices' (docs/design.md, "Expert stacks"): the exchange runs per matrix
-        layout, shape = matrix_layout(entries[0].info.param, view)
-        stack = len(shape) < entries[0].info.param.dim()
-        tensors = states.tensors
+    def _momentum(self, sub: "MuonMatrices", states, inv_scale, found_inf):
+        """Phase 1 on the local rows: (the kernels' view of a local tensor, FP32 updates, NorMuon statistics)."""
+        group, entries, tensors = sub.group, sub.entries, states.tensors
         if group["beta2"] is not None:
             for e in entries:
                 if "second_momentum_buffer" not in tensors[e.info.param]:  # beta2 switched on after construction
                     states.init(e.info, group)
-        split, replicas = layout.split_dims, layout.replicate_dims
+        view = group["matrix_view"]
+        split = layout_of(entries[0].info.param).split_dims
+        stack = sub.stack
 
         def mat(t):  # the kernels' view; a rank's block of a split matrix is [local rows, local cols]
             return t.reshape(t.shape[0], math.prod(t.shape[1:])) if split and not stack else as_matrices(t, view)
 
         moms = [mat(local(tensors[e.info.param]["momentum_buffer"])) for e in entries]
-        blocks = row_blocks.of_group(group, rows)  # each block a matrix of its own (docs/design.md,
-        # "Row blocks"): cut at the owners' orthogonalization and at phase 3, on the rows each rank holds
-        if not split and not replicas:  # every matrix is whole here, no one to share with: the fused step, same bits
-            self._muon_fused(group, entries, moms, mat, tensors, inv_scale, found_inf, max_workspace_bytes, blocks)
-            return
         updates = [m.new_empty(m.shape) for m in moms]
         for batch in _batches(list(range(len(entries))), lambda i: entries[i].grad.dtype):
             ops.muon_momentum([mat(entries[i].grad) for i in batch], [moms[i] for i in batch],
-                              [updates[i] for i in batch], momentum=group["momentum"], nesterov=group["nesterov"],
-                              inv_scale=inv_scale, found_inf=found_inf)
+                              [updates[i] for i in batch], inv_scale=inv_scale, found_inf=found_inf,
+                              **op_arguments.muon_momentum(group))
         stats = []
         if group["beta2"] is not None:
             stats = [local(tensors[e.info.param]["second_momentum_buffer"]) for e in entries]
+        return mat, updates, stats
+
+    def _apply(self, sub: "MuonMatrices", mat, updates: List[torch.Tensor], tensors, found_inf) -> None:
+        """Phase 3 on the local rows, each row block's rows with its own lr scale."""
+        group, entries, rows, cols = sub.group, sub.entries, sub.rows, sub.cols
+        runs = [(rows, 1.0, None)]  # (matrix rows for the lr scale, block scale, local rows; None: all)
+        if sub.blocks is not None:
+            mesh = entries[0].info.param.device_mesh
+            held = dim_indices(rows, 0, tuple(mesh.mesh.shape), entries[0].info.param.placements,
+                               mesh.get_coordinate())
+            runs = row_blocks.local_runs(sub.blocks, held)
+        for batch in _batches(list(range(len(entries))), lambda i: (entries[i].param.dtype, entries[i].info.master_mode)):
+            masters = [mat(local(tensors[entries[i].info.param]["master_param"])) for i in batch
+                       if "master_param" in tensors[entries[i].info.param]]
+            params, batch_updates = [mat(entries[i].param) for i in batch], [updates[i] for i in batch]
+            for block_rows, scale, index in runs:
+                settings = op_arguments.muon_apply(group, scale)
+                _apply_rows(index, params, batch_updates, masters, lambda ps, us, ms: ops.muon_apply(
+                    ps, us, masters=ms, matrix_shape=(block_rows, cols), found_inf=found_inf, **settings))
+
+    def _muon(self, sub: "MuonMatrices", states, max_workspace_bytes: int, first: int, inv_scale,
+              found_inf) -> None:
+        """Muon on matrices split or replicated over their mesh: phase 1 on the local rows, phase 2 where each
+        matrix is whole (its owner, by the exchange), phase 3 on the local rows."""
+        group, rows, cols, entries, blocks = sub[:5]
+        # a stack's layout is its matrices' (docs/design.md, "Expert stacks"): the exchange runs per matrix
+        layout, shape = matrix_layout(entries[0].info.param, group["matrix_view"])
+        mat, updates, stats = self._momentum(sub, states, inv_scale, found_inf)
+        split, replicas = layout.split_dims, layout.replicate_dims
 
         def orthogonalize_matrices(whole: List[torch.Tensor], whole_stats: List[torch.Tensor]) -> None:
-            ops.muon_orthogonalize(whole, whole_stats, beta2=group["beta2"], ns_steps=group["ns_steps"],
-                                   ns_coefficients=group["ns_coefficients"], max_workspace_bytes=max_workspace_bytes,
-                                   polar_dtype=group["polar_dtype"], polar_method=group["polar_method"],
-                                   found_inf=found_inf)
-            self.polar_flops += len(whole) * _polar_flops(*whole[0].shape[-2:], group["ns_steps"])
+            ops.muon_orthogonalize(whole, whole_stats, max_workspace_bytes=max_workspace_bytes, found_inf=found_inf,
+                                   **op_arguments.muon_orthogonalize(group))
+            self.polar_flops += len(whole) * polar_flops(*whole[0].shape[-2:], group["ns_steps"])
 
         def orthogonalize(whole: List[torch.Tensor], whole_stats: List[torch.Tensor]) -> None:
             row_blocks.orthogonalize_blocks(blocks, whole, whole_stats, orthogonalize_matrices)
 
         mats, mat_stats = matrices(updates), matrices(stats)  # one 2-D view per matrix: a stack's experts one by one
-        if len(split) == 1 and not replicas and not stack and group.get("split_polar", "exchange") == "gram":
-            self.bytes_sent += self._gram(group, rows, cols, entries, updates, stats, layout, blocks, found_inf)
-        elif not mats:  # a stack with no matrix here, nor on the ranks sharing its work
+        if not mats:  # a stack with no matrix here, nor on the ranks sharing its work
             pass
         elif not split:  # replicated: the first replicate dim splits the work (any others repeat it)
             self.bytes_sent += exchange_replicated(layout.ranks(replicas[0]), mats, mat_stats, orthogonalize, first)
@@ -350,68 +375,121 @@ class DistributedStep:
                                                        first)
             else:
                 self.bytes_sent += in_shard_group(mats, mat_stats)
-        runs = [(rows, 1.0, None)]  # (matrix rows for the lr scale, block scale, local rows; None: all)
-        if blocks is not None:
-            mesh = entries[0].info.param.device_mesh
-            held = dim_indices(rows, 0, tuple(mesh.mesh.shape), entries[0].info.param.placements,
-                               mesh.get_coordinate())
-            runs = row_blocks.local_runs(blocks, held)
-        for batch in _batches(list(range(len(entries))), lambda i: (entries[i].param.dtype, entries[i].info.master_mode)):
-            masters = [mat(local(tensors[entries[i].info.param]["master_param"])) for i in batch
-                       if "master_param" in tensors[entries[i].info.param]]
-            params, batch_updates = [mat(entries[i].param) for i in batch], [updates[i] for i in batch]
-            for block_rows, scale, index in runs:
-                lr, weight_decay = row_blocks.scaled(group["lr"], group["weight_decay"], scale)
-                _apply_rows(index, params, batch_updates, masters, lambda ps, us, ms: ops.muon_apply(
-                    ps, us, masters=ms, lr=lr, weight_decay=weight_decay, lr_scale=group["lr_scale"],
-                    matrix_shape=(block_rows, cols), found_inf=found_inf))
+        self._apply(sub, mat, updates, states.tensors, found_inf)
 
-    def _gram(self, group: dict, rows: int, cols: int, entries: List[_Entry], updates: List[torch.Tensor],
-              stats: List[torch.Tensor], layout: Layout, blocks, found_inf) -> int:
-        """split_polar="gram": each matrix (each row block) orthogonalized where it lies, by tp_polar's Gram
-        all_reduces over the one mesh dim that splits it, then NorMuon with the whole matrix's statistics: no
-        rank gathers a matrix (docs/design.md, "Distributed (DTensor params)"). Returns the bytes sent."""
-        if found_inf is not None and bool(found_inf.item()):  # a skipped step must not move the statistics
-            return 0
-        p = entries[0].info.param
+    def _muon_in_place(self, subs: List["MuonMatrices"], states, inv_scale, found_inf) -> None:
+        """split_matrices="in_place": every matrix (every row block) of `subs`, all split over one mesh dim,
+        orthogonalized where it lies, then NorMuon with the whole matrix's statistics: no rank gathers a matrix
+        (docs/design.md, "Split matrices orthogonalized in place"). The collectives of all of them are joined
+        (tp_polar.py): ns_steps + 2 all_reduces per step, whatever the number of matrices and groups."""
+        if found_inf is not None and bool(found_inf.item()):  # a skipped step moves nothing, statistics included
+            return
+        phase1 = [self._momentum(sub, states, inv_scale, found_inf) for sub in subs]
+        layout = layout_of(subs[0].entries[0].info.param)
         mesh_dim = layout.split_dims[0]
-        shard_dim = 0 if p.placements[mesh_dim].dim == 0 else 1
         process_group = layout.mesh.get_group(mesh_dim)
         mesh_shape, coordinate = tuple(layout.mesh.mesh.shape), layout.mesh.get_coordinate()
-        held = dim_indices(rows, 0, mesh_shape, p.placements, coordinate) if shard_dim == 0 else \
-            _held_columns(p, mesh_shape, coordinate)
-        parts = row_blocks.gram_parts(blocks, held if shard_dim == 0 else None, rows, cols)
-        stats_local = bool(stats) and stats_follow_rows(p, group)
-        coefficients, steps = group["ns_coefficients"], group["ns_steps"]
-        sent = 0
-        per_block_stats = [row_blocks.block_stats(s, blocks, cols) if blocks is not None else [s] for s in stats]
-        for k, (local_rows, along, shape) in enumerate(parts):
-            # every matrix of the group at once: one Gram all_reduce per iteration
-            x = torch.stack([u if local_rows is None else u.index_select(0, local_rows) for u in updates])
-            sent += polar_express_sharded(x, process_group, shard_dim, coefficients, steps)
-            self.polar_flops += len(updates) * _polar_flops(*shape, steps)
+        batches, normuon, written = [], [], []
+        for sub, (_, updates, stats) in zip(subs, phase1):
+            group, rows, cols, entries, blocks = sub[:5]
+            p = entries[0].info.param
+            shard_dim = 0 if p.placements[mesh_dim].dim == 0 else 1
+            held = dim_indices(rows, 0, mesh_shape, p.placements, coordinate) if shard_dim == 0 else \
+                _held_columns(p, mesh_shape, coordinate)
+            stats_local = bool(stats) and stats_follow_rows(p, group)
+            per_block_stats = [row_blocks.block_stats(s, blocks, cols) if blocks is not None else [s] for s in stats]
+            iterations = op_arguments.polar_iterations(group)
+            for k, (local_rows, along, shape) in enumerate(row_blocks.gram_parts(blocks, held if shard_dim == 0
+                                                                                else None, rows, cols)):
+                x = torch.stack([u if local_rows is None else u.index_select(0, local_rows) for u in updates])
+                batches.append(ShardedBatch(x, shard_dim, iterations["ns_coefficients"], iterations["ns_steps"],
+                                            iterations["polar_dtype"]))
+                self.polar_flops += len(updates) * polar_flops(*shape, iterations["ns_steps"])
+                normuon += [NormuonShard(x[i], per_block_stats[i][k], shape, shard_dim,
+                                         held if along is None else along, group["beta2"], stats_local)
+                            for i in range(len(updates)) if stats]
+                written.append((updates, local_rows, x))
+        self.bytes_sent += polar_express_shards(batches, process_group)
+        self.bytes_sent += normuon_sharded(normuon, process_group)
+        for updates, local_rows, x in written:
             for i, update in enumerate(updates):
-                if stats:
-                    sent += normuon_sharded(x[i], per_block_stats[i][k], group["beta2"], process_group, shard_dim,
-                                            held if along is None else along, shape, stats_local)
                 if local_rows is None:
                     update.copy_(x[i])
                 else:
                     update.index_copy_(0, local_rows, x[i])
-        return sent
+        for sub, (mat, updates, _) in zip(subs, phase1):
+            self._apply(sub, mat, updates, states.tensors, found_inf)
 
-    @staticmethod
-    def _muon_fused(group: dict, entries: List[_Entry], moms, mat, tensors, inv_scale, found_inf,
-                    max_workspace_bytes: int, blocks) -> None:
-        for batch in _batches(list(range(len(entries))),
-                              lambda i: (entries[i].param.dtype, entries[i].info.master_mode, entries[i].grad.dtype)):
-            state = [tensors[entries[i].info.param] for i in batch]
-            row_blocks.muon_step(
-                blocks, group, [mat(entries[i].param) for i in batch], [mat(entries[i].grad) for i in batch],
-                [moms[i] for i in batch],
-                [local(s["second_momentum_buffer"]) for s in state] if group["beta2"] is not None else [],
-                [mat(local(s["master_param"])) for s in state if "master_param" in s], inv_scale=inv_scale,
-                found_inf=found_inf, max_workspace_bytes=max_workspace_bytes)
+
+_MUON_KEYS = ("momentum_buffer", "second_momentum_buffer")
+
+
+class MuonMatrices(NamedTuple):
+    """A Muon group's same-shape DTensor matrices with one layout, as an exchange takes them; `stack`: the
+    params are stacks of matrices (matrix_view="batch"), each placed as the stack's layout says."""
+
+    group: dict
+    rows: int
+    cols: int
+    entries: List[_Entry]
+    blocks: object  # row_blocks.RowBlocks or None
+    stack: bool = False
+
+
+class MuonExchange(NamedTuple):
+    """How a DTensor Muon item's rows travel (WorkItem.exchange): its matrices split or replicated over the
+    mesh go to their owners (the first one's owner rotates with `first`), are orthogonalized there and
+    come back, by `DistributedStep._muon`."""
+
+    step: "DistributedStep"
+    matrices: MuonMatrices
+    first: int
+
+    def run(self, item: WorkItem, states, inv_scale, found_inf, max_workspace_bytes: int) -> None:
+        self.step._muon(self.matrices, states, max_workspace_bytes, self.first, inv_scale, found_inf)
+
+
+class InPlaceExchange(NamedTuple):
+    """No rows travel (WorkItem.exchange for split_matrices="in_place"): every matrix split over one mesh dim is
+    orthogonalized on its shards by Gram all_reduces, all of the step's such matrices together, by
+    `DistributedStep._muon_in_place`."""
+
+    step: "DistributedStep"
+    matrices: List[MuonMatrices]
+
+    def run(self, item: WorkItem, states, inv_scale, found_inf, max_workspace_bytes: int) -> None:
+        self.step._muon_in_place(self.matrices, states, inv_scale, found_inf)
+
+
+def mesh_scalers(mesh, device: torch.device, scalers, agreed: Dict) -> Tuple:
+    """GradScaler's (inv_scale, found_inf) for a DTensor item, with found_inf summed over its mesh at the
+    mesh's first item of the step (`agreed` keeps it for the rest): the ranks of a mesh skip or step
+    together (an owner skipping would send stale rows to ranks that step)."""
+    if mesh not in agreed:
+        inv_scale, found_inf = scalers.on(device)
+        if found_inf is not None:
+            found_inf = found_inf.clone()
+            _all_reduce_over(mesh, found_inf)
+        agreed[mesh] = (inv_scale, found_inf)
+    return agreed[mesh]
+
+
+def _local_items(bucket: Bucket, group: dict, entries: List[_Entry], tensors: Mapping, keys: Tuple[str, ...],
+                 blocks) -> List[PlannedItem]:
+    """Items whose local tensors the fused kernels step as they step plain params, with their state lists
+    (local tensors; a list None where an entry is still to be created: NorMuon switched on later)."""
+    out = []
+    for batch in _batches(entries, lambda e: (e.param.dtype, e.info.master_mode, e.grad.dtype)):
+        state = [tensors[e.info.param] for e in batch]
+        lists = {key: [local(s[key]) for s in state] if all(key in s for s in state) else None for key in keys}
+        if bucket.kind == "muon" and group["beta2"] is None:
+            lists["second_momentum_buffer"] = []
+        if "master_param" in state[0]:
+            lists["master_param"] = [local(s["master_param"]) for s in state]
+        item = WorkItem(bucket, group, [e.param for e in batch], [e.grad for e in batch], blocks,
+                        [e.info.param for e in batch])
+        out.append(PlannedItem(item, lists, None))
+    return out
 
 
 def agree_on_checks(param, checks: Callable[[], None], what: str) -> None:
@@ -431,11 +509,6 @@ def agree_on_checks(param, checks: Callable[[], None], what: str) -> None:
     if int(refused.item()):
         raise RuntimeError(f"{what}: refused on another rank of the mesh (see its error); nothing was written on "
                            "any rank")
-
-
-def _polar_flops(rows: int, cols: int, steps: int) -> int:
-    m, n = min(rows, cols), max(rows, cols)
-    return steps * (4 * m * m * n + 2 * m ** 3)
 
 
 def _placements_code(placements) -> int:

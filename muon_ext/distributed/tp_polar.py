@@ -1,116 +1,130 @@
-"""Polar-Express on a matrix split over a process group, without gathering it
-(tensor-parallel Muon, "distributed" mode; docs/design.md, "Megatron-Core
-adapter"). A process-group function: it knows nothing of DTensors or trainers.
+"""Polar-Express and NorMuon on matrices split over a process group, without
+gathering them (tensor-parallel Muon, "in_place" mode; docs/design.md,
+"Split matrices orthogonalized in place"). A process-group module: it knows
+nothing of DTensors or trainers, and holds no arithmetic: the ops
+`muon_ext.ops.sharded_*` compute between its collectives.
 
-Each rank holds one shard X_r of the whole matrix X (rows x cols): a block of
-columns (`shard_dim=1`, X = [X_0 | X_1 | ...]) or of rows (`shard_dim=0`).
-Every iteration needs only a small Gram matrix, which is the sum of the
-shards' products, so one all_reduce of it per iteration replaces a gather:
-
-  shard_dim=1:  A = X X^T = sum_r X_r X_r^T  (rows x rows);  X_r = a X_r + B X_r
-  shard_dim=0:  A = X^T X = sum_r X_r^T X_r  (cols x cols);  X_r = a X_r + X_r B
-  with B = b A + c A A, the same on every rank.
-
-Both forms equal the whole-matrix iteration (X(aI + bX^TX + c(X^TX)^2) =
-(aI + bXX^T + c(XX^T)^2)X), whatever the orientation the single-device kernel
-picks; they differ from it by FP32 rounding only (the GEMMs here are FP32,
-and the sums run over different partitions). The input scale uses the whole
-matrix's Frobenius norm (one more all_reduce of the shards' sums of squares, in
-double). `normuon_sharded` then applies NorMuon with the whole matrix's
-statistics (an all_reduce of per-row or per-column partial sums, or of the
-shards' own entries).
+Each rank holds one shard of every matrix (a block of columns or of rows).
+Every iteration needs only the matrices' small Gram matrices, sums of the
+shards' products: one all_reduce per iteration carries the Gram matrices of
+every matrix of the step at once (all shapes, all groups), one more their
+norms, and one NorMuon's statistics. The collective count of a step is thus
+ns_steps + 2, whatever the number of matrices.
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import List, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from .._shapes import stats_per_row
+from .. import ops
 
-__all__ = ["polar_express_sharded", "normuon_sharded"]
+__all__ = ["ShardedBatch", "NormuonShard", "polar_express_shards", "polar_express_sharded", "normuon_sharded"]
+
+
+class ShardedBatch(NamedTuple):
+    """This rank's shards `x` ([n, rows, cols] FP32, orthogonalized in place) of n same-shape matrices split
+    along `shard_dim` (0: rows, 1: columns), and their group's iterations."""
+
+    x: torch.Tensor
+    shard_dim: int
+    coefficients: Sequence[Sequence[float]]
+    ns_steps: int
+    polar_dtype: str
+
+    def gram_numel(self) -> int:
+        side = self.x.shape[1] if self.shard_dim == 1 else self.x.shape[2]
+        return self.x.shape[0] * side * side
+
+
+class NormuonShard(NamedTuple):
+    """NorMuon on one matrix's shard `x` (a view, scaled in place) of a `shape` matrix split along `shard_dim`:
+    `stats` as the caller keeps them (whole, or this shard's own entries where `stats_local`), `held` the
+    positions this shard holds along `shard_dim` (needed where the statistics are whole)."""
+
+    x: torch.Tensor
+    stats: torch.Tensor
+    shape: Sequence[int]
+    shard_dim: int
+    held: Optional[torch.Tensor]
+    beta2: float
+    stats_local: bool
+
+    def settings(self) -> dict:
+        rows, cols = self.shape
+        held = None if self.held is None else self.held.to(self.x.device)
+        return dict(rows=rows, cols=cols, shard_dim=self.shard_dim, held=held, beta2=self.beta2,
+                    stats_local=self.stats_local)
 
 
 def polar_express_sharded(update: torch.Tensor, group, shard_dim: int, coefficients: Sequence[Sequence[float]],
-                          ns_steps: int) -> int:
-    """Orthogonalizes, in place, this rank's FP32 shard `update` of a matrix split
-    along `shard_dim` (0: rows, 1: columns) over `group` (or a batch
-    [n, rows, cols] of such shards: one all_reduce per iteration for all of
-    them): input scale by the whole matrix's norm, then `ns_steps`
-    Polar-Express iterations with `coefficients`. Collective: every rank of
-    `group` calls it with its shard of the same matrices. Returns the bytes
-    this rank sent (all_reduce payloads)."""
-    if shard_dim not in (0, 1):
-        raise ValueError(f"polar_express_sharded: shard_dim must be 0 or 1, got {shard_dim!r}")
-    if update.dim() not in (2, 3) or update.dtype != torch.float32:
+                          ns_steps: int, polar_dtype: str = "float32") -> int:
+    """`polar_express_shards` for one matrix's shard `update` ([rows, cols] FP32, in place) or one batch of
+    them ([n, rows, cols])."""
+    x = update.unsqueeze(0) if update.dim() == 2 else update
+    return polar_express_shards([ShardedBatch(x, shard_dim, coefficients, ns_steps, polar_dtype)], group)
+
+
+def polar_express_shards(batches: List[ShardedBatch], group) -> int:
+    """Orthogonalizes every batch's shards in place: the input scale from the whole matrices' norms (one
+    all_reduce of every matrix's sum of squares), then each iteration with one all_reduce of every matrix's
+    Gram matrix. Collective: every rank of `group` calls it with its shards of the same matrices, in the same
+    order; bad arguments raise before the first collective. Returns the bytes this rank sent."""
+    for b in batches:
+        _check(b)
+    if not batches:
+        return 0
+    device = batches[0].x.device
+    sums = torch.empty(sum(b.x.shape[0] for b in batches), dtype=torch.float64, device=device)
+    parts = sums.split([b.x.shape[0] for b in batches])
+    for b, part in zip(batches, parts):
+        ops.sharded_polar_norms(b.x, part)
+    sent = _all_reduce(sums, group)
+    for b, part in zip(batches, parts):
+        ops.sharded_polar_scale(b.x, part, polar_dtype=b.polar_dtype)
+    for step in range(max(b.ns_steps for b in batches)):
+        active = [b for b in batches if step < b.ns_steps]  # the same on every rank: group settings
+        grams = torch.empty(sum(b.gram_numel() for b in active), dtype=torch.float32, device=device)
+        parts = grams.split([b.gram_numel() for b in active])
+        for b, part in zip(active, parts):
+            ops.sharded_polar_gram(b.x, part, shard_dim=b.shard_dim, polar_dtype=b.polar_dtype)
+        sent += _all_reduce(grams, group)
+        for b, part in zip(active, parts):
+            ops.sharded_polar_iterate(b.x, part, b.coefficients[step], shard_dim=b.shard_dim,
+                                      polar_dtype=b.polar_dtype)
+    return sent
+
+
+def normuon_sharded(shards: List[NormuonShard], group) -> int:
+    """NorMuon on every shard with its whole matrix's statistics: one all_reduce of every matrix's payload
+    (ops.sharded_normuon_partial), then the multipliers. Collective; returns the bytes this rank sent."""
+    if not shards:
+        return 0
+    sizes = [ops.sharded_normuon_payload_numel(s.x, *s.shape, s.shard_dim, s.stats_local) for s in shards]
+    payload = torch.empty(sum(sizes), dtype=torch.float64, device=shards[0].x.device)
+    parts = payload.split(sizes)
+    settings = [s.settings() for s in shards]
+    for s, part, kw in zip(shards, parts, settings):
+        ops.sharded_normuon_partial(s.x, s.stats, part, **kw)
+    sent = _all_reduce(payload, group)
+    for s, part, kw in zip(shards, parts, settings):
+        ops.sharded_normuon_finish(s.x, s.stats, part, **kw)
+    return sent
+
+
+def _check(b: ShardedBatch) -> None:
+    if b.shard_dim not in (0, 1):
+        raise ValueError(f"polar_express_sharded: shard_dim must be 0 or 1, got {b.shard_dim!r}")
+    if b.x.dim() != 3 or b.x.dtype != torch.float32:
         raise TypeError(f"polar_express_sharded: update must be a 2-D (or batched 3-D) float32 tensor, got "
-                        f"{update.dtype} {tuple(update.shape)}")
-    if not 0 <= ns_steps <= len(coefficients):
-        raise ValueError(f"polar_express_sharded: ns_steps={ns_steps} with {len(coefficients)} coefficient tuples")
-    sum_sq = update.double().pow(2).sum(dim=(-2, -1), keepdim=True)
-    dist.all_reduce(sum_sq, group=group)
-    sent = sum_sq.numel() * sum_sq.element_size()
-    norm = torch.sqrt(sum_sq.float())
-    x = update * (1.0 / (norm * 1.02 + 1e-6))
-    for a, b, c in coefficients[:ns_steps]:
-        gram = x @ x.mT if shard_dim == 1 else x.mT @ x
-        dist.all_reduce(gram, group=group)
-        sent += gram.numel() * gram.element_size()
-        poly = b * gram + c * (gram @ gram)
-        x = a * x + (poly @ x if shard_dim == 1 else x @ poly)
-    update.copy_(x)
-    return sent
+                        f"{b.x.dtype} {tuple(b.x.shape)}")
+    if not 0 <= b.ns_steps <= len(b.coefficients):
+        raise ValueError(f"polar_express_sharded: ns_steps={b.ns_steps} with {len(b.coefficients)} coefficient "
+                         "tuples")
 
 
-def normuon_sharded(update: torch.Tensor, stats: torch.Tensor, beta2: float, group, shard_dim: int,
-                    index: torch.Tensor, shape: Sequence[int], stats_local: bool) -> int:
-    """NorMuon on this rank's FP32 shard `update` (orthogonalized, in place) of a
-    matrix of `shape` split along `shard_dim` over `group`, with the whole
-    matrix's statistics (one per row if rows >= cols, else per column; the
-    formula of docs/design.md, "Muon in three phases"). `index`: the positions
-    along `shard_dim` this shard holds. `stats`: the statistics as the caller
-    keeps them, in place: the whole [rows, 1] / [1, cols] (the same on every
-    rank, and kept so), or (`stats_local`, statistics following the split dim)
-    this rank's entries only. Collective; returns the bytes this rank sent."""
-    rows, cols = shape
-    per_row = stats_per_row(rows, cols)
-    reduced = cols if per_row else rows
-    stat_dim = 0 if per_row else 1
-    partial = (update.double() ** 2).sum(dim=1 - stat_dim)  # per held entry along stat_dim
-    sent = 0
-    held = None  # positions of the multipliers this shard needs, when the statistics are whole
-    if stat_dim != shard_dim:  # the reduced dim is split: the shards' partial sums add up
-        dist.all_reduce(partial, group=group)
-        sent += partial.numel() * partial.element_size()
-        vm = partial.float() / reduced
-    else:
-        vm = partial.float() / reduced  # whole sums of this shard's own entries
-        if stats_local:
-            smb = stats.view(-1)
-            smb.copy_(torch.lerp(smb, vm, 1.0 - beta2))
-            s = 1.0 / torch.sqrt(torch.clamp_min(smb, 1e-10))
-            sums = torch.stack([vm.double().sum(), (vm * reduced * s * s).double().sum()])
-            dist.all_reduce(sums, group=group)
-            sent += sums.numel() * sums.element_size()
-            n0, n1 = torch.sqrt(sums[0].float() * reduced), torch.sqrt(sums[1].float())
-            _scale(update, s * (n0 / torch.clamp_min(n1, 1e-10)), stat_dim)
-            return sent
-        whole = torch.zeros(rows if per_row else cols, dtype=torch.float32, device=update.device)
-        whole[index] = vm
-        dist.all_reduce(whole, group=group)  # one owner per entry: the sum is exact
-        sent += whole.numel() * whole.element_size()
-        vm, held = whole, index
-    smb = stats.view(-1)
-    smb.copy_(torch.lerp(smb, vm, 1.0 - beta2))
-    s = 1.0 / torch.sqrt(torch.clamp_min(smb, 1e-10))
-    n0 = torch.sqrt(vm.sum() * reduced)
-    n1 = torch.sqrt(((vm * reduced) * s * s).sum())
-    multiplier = s * (n0 / torch.clamp_min(n1, 1e-10))
-    _scale(update, multiplier if held is None else multiplier[held], stat_dim)
-    return sent
-
-
-def _scale(update: torch.Tensor, multiplier: torch.Tensor, stat_dim: int) -> None:
-    update.mul_(multiplier.view(-1, 1) if stat_dim == 0 else multiplier.view(1, -1))
+def _all_reduce(t: torch.Tensor, group) -> int:
+    dist.all_reduce(t, group=group)
+    return t.numel() * t.element_size()

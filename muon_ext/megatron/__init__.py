@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional
 
-from .config import TP_MODES, check_config
+from .config import MATCH_RMS_ADAMW, TP_MODES, check_config
 
-__all__ = ["get_megatron_muon_optimizer", "clip_qk", "TP_MODES"]
+__all__ = ["get_megatron_muon_optimizer", "clip_qk", "TP_MODES", "MATCH_RMS_ADAMW"]
 
 
 def get_megatron_muon_optimizer(
@@ -44,12 +44,15 @@ def get_megatron_muon_optimizer(
     as Megatron's), `ns_coefficients` replaces the Polar-Express tuples,
     `store_param_remainders=False` keeps FP32 master tensors instead of int16
     remainders. `use_gloo_process_groups` is accepted and unused (no gloo groups
-    are needed); `layer_wise_distributed_optimizer` and
-    `config.use_distributed_optimizer` are refused. Collective: every rank calls it.
+    are needed). `layer_wise_distributed_optimizer=True` (Megatron's flag: DDP
+    all-reduces the grads, each param is stepped by one data-parallel rank, the
+    params are all-gathered after the step) runs the core's data-parallel
+    ownership over the data-parallel (x context-parallel) group: each rank keeps
+    the state of the params it owns (docs/megatron.md); for now at TP = 1 or in
+    muon_tp_mode "blockwise", without expert params. `config.use_distributed_optimizer`
+    is refused. Collective: every rank calls it.
     """
     check_config(config)
-    if layer_wise_distributed_optimizer:
-        raise ValueError("muon_ext.megatron: layer_wise_distributed_optimizer=True is not supported")
     from megatron.core.optimizer import _get_param_groups
     from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
     from megatron.core.process_groups_config import ProcessGroupCollection
@@ -67,6 +70,18 @@ def get_megatron_muon_optimizer(
     grouped = grouped_experts(model_chunks)  # legacy GroupedMLP weights: orthogonalized per expert
     params = {id(p): classify(p, names[id(p)], pg_collection, grouped.get(id(p), 0)) for g in groups
               for p in g["params"]}
+    data_parallel_group = None
+    if layer_wise_distributed_optimizer:
+        if any(mp.expert for mp in params.values()):
+            raise ValueError("muon_ext.megatron: layer_wise_distributed_optimizer=True with expert params is not "
+                             "supported yet (they are replicated over the expert data-parallel group, not the "
+                             "data-parallel one)")
+        if config.muon_tp_mode != "blockwise" and any(mp.partition_dim is not None and mp.tp_size > 1
+                                                      for mp in params.values()):
+            raise ValueError("muon_ext.megatron: layer_wise_distributed_optimizer=True at TP > 1 needs "
+                             "muon_tp_mode='blockwise' for now (the other modes step TP-split matrices as DTensor "
+                             "views, which data-parallel ownership does not take yet)")
+        data_parallel_group = pg_collection.dp_cp
     qkv_split_shapes = _qkv_split_shapes(model_chunks) if config.muon_split_qkv else None
     grad_scaler = None
     if config.loss_scale:
@@ -77,7 +92,8 @@ def get_megatron_muon_optimizer(
                                         growth_interval=config.loss_scale_window, hysteresis=config.hysteresis)
     return MegatronMuonAdamW(config, groups, params, pg_collection=pg_collection, grad_scaler=grad_scaler,
                              beta2=beta2, ns_coefficients=ns_coefficients,
-                             store_param_remainders=store_param_remainders, qkv_split_shapes=qkv_split_shapes)
+                             store_param_remainders=store_param_remainders, qkv_split_shapes=qkv_split_shapes,
+                             data_parallel_group=data_parallel_group)
 
 
 def clip_qk(model_chunks: List, optimizer, log_max_only: bool = False) -> float:

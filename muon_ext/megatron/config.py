@@ -9,12 +9,19 @@ so that the decay stays `lr * weight_decay` as in Megatron's decoupled decay
 from __future__ import annotations
 
 import math
+from types import MappingProxyType
 from typing import Tuple
 
-__all__ = ["TP_MODES", "SCALE_MODES", "check_config", "muon_scale", "muon_settings", "polar_dtype"]
+__all__ = ["TP_MODES", "SCALE_MODES", "MATCH_RMS_ADAMW", "check_config", "muon_scale", "muon_settings",
+           "polar_dtype"]
 
 TP_MODES = ("blockwise", "duplicated", "distributed")
 SCALE_MODES = ("spectral", "unit_rms_norm", "shape_scaling")
+# OptimizerConfig fields under which Megatron's one `lr` and `weight_decay` serve both kinds: Muon updates
+# 0.2 * sqrt(max(rows, cols)) * lr, AdamW's update RMS (as MuonAdamW's lr_scale="match_rms_adamw"; decay
+# lr * weight_decay as Megatron's). Megatron's own defaults (spectral, 1.0) give updates of RMS lr, 5x that.
+# docs/megatron.md, "One learning rate".
+MATCH_RMS_ADAMW = MappingProxyType({"muon_scale_mode": "spectral", "muon_extra_scale_factor": 0.2})
 _PRECISIONS = ("highest", "high", "medium")
 
 

@@ -41,7 +41,7 @@ class MegatronMuonAdamW(MegatronOptimizer):
 
     def __init__(self, config, megatron_groups: List[dict], params: Dict[int, MegatronParam], *, pg_collection,
                  grad_scaler=None, beta2=None, ns_coefficients=None, store_param_remainders: bool = True,
-                 qkv_split_shapes=None):
+                 qkv_split_shapes=None, data_parallel_group=None):
         self.config = config
         for group in megatron_groups:  # what torch's constructor fills in before the scheduler's first step
             group.setdefault("lr", group.get("max_lr", config.lr))
@@ -56,7 +56,7 @@ class MegatronMuonAdamW(MegatronOptimizer):
         self.tp_mode = config.muon_tp_mode
         inner_groups = self._inner_groups(config, beta2, ns_coefficients)
         inner = MuonAdamW(inner_groups, grad_attr="main_grad", store_param_remainders=store_param_remainders,
-                          adapters=False)
+                          adapters=False, data_parallel_group=data_parallel_group)
         super().__init__(inner, config)
         device = next(iter(params.values())).param.device if params else torch.device("cpu")
         self._scale_one = torch.tensor([1.0], dtype=torch.float, device=device)
@@ -70,7 +70,7 @@ class MegatronMuonAdamW(MegatronOptimizer):
         and V matrices, each with its own update factor (row_block_scales)."""
         muon_settings = cfg.muon_settings(config, beta2, ns_coefficients)
         if self.tp_mode == "distributed":  # TP-split matrices orthogonalized in place by Gram all_reduces
-            muon_settings["split_polar"] = "gram"
+            muon_settings["split_matrices"] = "in_place"
         adamw_settings = cfg.adamw_settings(config)
         inner = []
         for index, group in enumerate(self._megatron_groups):

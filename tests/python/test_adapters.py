@@ -44,7 +44,7 @@ def _groups():
 def test_installed_adapters_bind_in_name_order(tmp_path, monkeypatch):
     _install(tmp_path, monkeypatch, "muon_ext_test_adapter_a", [("b_writers", "register_writers"),
                                                                ("a_record", "record")])
-    assert [ep.name for ep in muon_ext.adapters.installed()] == ["a_record", "b_writers"]
+    assert [ep.name for ep in muon_ext.entry_points.installed()] == ["a_record", "b_writers"]
     opt = muon_ext.MuonAdamW(_groups())
     module = sys.modules["muon_ext_test_adapter_a"]
     assert module.bound == [opt]
@@ -72,5 +72,5 @@ def test_missing_adapter_module_is_named(tmp_path, monkeypatch):
 
 
 def test_no_adapter_installed_binds_nothing():
-    assert muon_ext.adapters.installed() == []
+    assert muon_ext.entry_points.installed() == []
     muon_ext.MuonAdamW(_groups())

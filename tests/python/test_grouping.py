@@ -89,3 +89,57 @@ def test_group_settings():
     assert muon["momentum"] == 0.9 and muon["beta2"] is None
     assert (adamw["kind"], adamw["lr"], adamw["weight_decay"]) == ("adamw", 1e-3, 0.01)
     assert len(muon["params"]) == len(muon["param_names"]) and len(adamw["params"]) == len(adamw["param_names"])
+
+
+def test_one_learning_rate_by_default():
+    """docs/guide.md, "One learning rate": without two lrs, one lr serves both
+    kinds and the Muon group scales its updates to AdamW's update RMS."""
+    model = _GPT(head_name="out")
+    for kwargs, one in (({}, muon_ext.grouping.DEFAULT_LR), ({"lr": 2e-3}, 2e-3), ({"adamw_lr": 1e-3}, 1e-3)):
+        muon, adamw = muon_ext.param_groups(model, **kwargs)
+        assert (muon["lr"], adamw["lr"], muon["lr_scale"]) == (one, one, "match_rms_adamw"), kwargs
+        assert (muon["weight_decay"], adamw["weight_decay"]) == (0.1, 0.0)
+    muon, _ = muon_ext.param_groups(model, lr=2e-3, lr_scale="none")  # an explicit lr_scale wins
+    assert muon["lr_scale"] == "none"
+
+
+def test_two_learning_rates_keep_the_previous_groups():
+    """Both lrs given: the groups of before the one-lr default (no lr_scale key:
+    MuonAdamW's default "original"), unless lr_scale is given."""
+    model = _GPT(head_name="out")
+    muon, adamw = muon_ext.param_groups(model, lr=0.02, adamw_lr=3e-4)
+    assert (muon["lr"], adamw["lr"]) == (0.02, 3e-4) and "lr_scale" not in muon
+    assert muon_ext.MuonAdamW([muon, adamw]).param_groups[0]["lr_scale"] == "original"
+    muon, _ = muon_ext.param_groups(model, lr=0.02, adamw_lr=3e-4, lr_scale="match_rms_adamw")
+    assert muon["lr_scale"] == "match_rms_adamw"
+
+
+def test_a_checkpoint_of_two_learning_rates_resumes_under_the_new_default():
+    """A state dict saved with the two-lr groups loads into an optimizer built
+    with the one-lr default: its saved lr and lr_scale replace the new ones, and
+    the next step equals the one of the optimizer that saved it."""
+
+    def build(seed, **kwargs):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Embedding(16, 8), torch.nn.Linear(8, 32), torch.nn.GELU(),
+                                    torch.nn.Linear(32, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 16))
+        return model, muon_ext.MuonAdamW(muon_ext.param_groups(model, **kwargs))
+
+    def step(model, opt):
+        opt.zero_grad()
+        model(torch.arange(8).view(2, 4)).square().mean().backward()
+        opt.step()
+
+    old_model, old_opt = build(0, lr=0.02, adamw_lr=3e-4)
+    step(old_model, old_opt)
+    saved_model, saved_opt = old_model.state_dict(), old_opt.state_dict()
+    new_model, new_opt = build(1)
+    new_model.load_state_dict(saved_model)
+    new_opt.load_state_dict(saved_opt)
+    muon = new_opt.param_groups[0]
+    assert muon["param_names"] == ["1.weight", "3.weight"]
+    assert (muon["lr"], muon["lr_scale"], new_opt.param_groups[1]["lr"]) == (0.02, "original", 3e-4)
+    step(old_model, old_opt)
+    step(new_model, new_opt)
+    for (name, p), q in zip(old_model.named_parameters(), new_model.parameters()):
+        assert torch.equal(p, q), name

@@ -9,6 +9,7 @@ import torch
 transformers = pytest.importorskip("transformers", reason="needs transformers: pip install '.[hf]'")
 pytest.importorskip("accelerate", reason="Trainer needs accelerate: pip install '.[hf]'")
 
+import importlib.util  # noqa: E402
 import pathlib  # noqa: E402
 import sys  # noqa: E402
 
@@ -75,6 +76,20 @@ def test_param_groups_for_a_llama():
     assert moe[0]["param_names"] == ["w1.weight"] and moe[1]["param_names"] == ["block_sparse_moe.gate.weight"]
 
 
+def test_one_learning_rate_from_training_arguments(tmp_path):
+    """docs/guide.md, "One learning rate": without `lr`, TrainingArguments'
+    learning_rate and weight_decay serve both kinds, Muon scaled to AdamW's
+    update RMS; with `lr`, Muon keeps its own (the two-lr form)."""
+    args = _args(tmp_path, weight_decay=0.05)
+    muon, adamw = create_optimizer(tiny_llama(tie=False), args).param_groups
+    assert (muon["lr"], muon["weight_decay"], muon["lr_scale"]) == (3e-3, 0.05, "match_rms_adamw")
+    assert (adamw["lr"], adamw["weight_decay"]) == (3e-3, 0.05)
+    muon, adamw = create_optimizer(tiny_llama(tie=False), args, lr=0.02).param_groups
+    assert (muon["lr"], muon["weight_decay"], muon["lr_scale"], adamw["lr"]) == (0.02, 0.1, "original", 3e-3)
+    muon, adamw = MuonAdamWFactory()(tiny_llama(tie=False), lr=1e-3).param_groups  # one lr, no TrainingArguments
+    assert (muon["lr"], muon["lr_scale"], adamw["lr"]) == (1e-3, "match_rms_adamw", 1e-3)
+
+
 def test_trainer_trains_and_resumes_exactly(tmp_path):
     """MuonTrainer: 20 steps, the loss falls; a run resumed from its step-10
     checkpoint (model, MuonAdamW state, scheduler, RNG, data position) ends on
@@ -124,3 +139,17 @@ def test_factory_and_ready_optimizer_forms(tmp_path):
         finals.append([p.detach().clone() for p in model.parameters()])
     for other in finals[1:]:
         assert all(torch.equal(a, b) for a, b in zip(finals[0], other))
+
+
+def test_example_compares_both_optimizers(tmp_path):
+    """examples/train_hf.py --compare, a few steps of a tiny model: both runs recorded, both held-out losses,
+    the plot written."""
+    import train_hf
+
+    runs, held_out = train_hf.main(["--compare", "--steps", "3", "--hidden", "16", "--batch", "4",
+                                    "--plot", str(tmp_path / "loss.png")])
+    assert set(runs) == set(held_out) == {"MuonAdamW", "Trainer AdamW"}
+    for records in runs.values():
+        assert [r["step"] for r in records] == [1, 2, 3] and all(r["seconds"] > 0 for r in records)
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "loss.png").stat().st_size > 1000

@@ -1,6 +1,7 @@
-"""Regression tests for the single-process repros of issue 21 (reliability,
-round 2): each call either completes or raises with nothing changed; writer
-failures are reported after the call completed, the same resident and staged."""
+"""Regression tests for the single-process reliability repros (rounds 2 and 3):
+each call either completes or raises with nothing changed; writer failures are
+reported after the call completed, the same resident and staged; row-block
+settings are checked before any write, like every other setting."""
 
 from __future__ import annotations
 
@@ -228,3 +229,28 @@ def test_writer_failing_mid_step_keeps_the_step_the_same_resident_and_staged(fai
         assert all(torch.equal(a, b) for a, b in zip(moms, runs["working"][1])), mode
         assert torch.equal(seen[-1], runs["working"][2][-1]), mode  # the writer caught up
         assert len(seen) == 2  # 3 steps, one failed call
+
+
+# -- row_block_scales whose products with the lr or weight decay leave the kernels' range ------------------------
+
+
+@pytest.mark.parametrize("scale, lr, what", [(1e300, 1e-3, "a lr of 1e\\+297"),
+                                             (1e-300, 1e-3, "a weight_decay of 1e\\+299"),
+                                             (1e36, torch.tensor(1e3), "a lr of 1e\\+39")])
+def test_row_block_scales_out_of_range_are_refused_before_any_write(scale, lr, what):
+    """A huge (or tiny) scale is a valid setting on its own, but the block's lr (times the scale) or weight decay
+    (divided by it) overflows FP32: refused at the step, before the first group is written, not by the kernel
+    after other params and the param's earlier blocks were (also for a CPU tensor lr, read on the host)."""
+    torch.manual_seed(0)
+    a, b, w = (torch.nn.Parameter(torch.randn(shape)) for shape in ((8, 8), (8,), (12, 8)))
+    opt = muon_ext.MuonAdamW([dict(params=[a], kind="muon"), dict(params=[b], kind="adamw"),
+                              dict(params=[w], kind="muon", lr=lr, row_blocks=(4, 4, 4),
+                                   row_block_scales=(1.0, scale, 1.0))], adapters=False)
+    _grads([a, b, w], 1)
+    before = snapshot(opt)
+    with pytest.raises(ValueError, match=rf"param group 2( \(muon\))?: row_block_scales\[1\]=.* gives row block 1 {what}"):
+        opt.step()
+    assert snapshot(opt) == before
+    opt.param_groups[2]["row_block_scales"] = (1.0, 2.0, 1.0)
+    opt.step()  # in step again
+    assert all(torch.isfinite(p).all() for p in (a, b, w))

@@ -1,9 +1,10 @@
 """The call-sequence property test at W = 2 (docs/design.md, "Every call
 completes or changes nothing"): seeded random sequences of step,
 update_param, register / unregister writers, state_dict / load_state_dict,
-add_param_group and params made non-contiguous between calls, over DTensor
-params (Shard(0), Replicate) and plain ones, with calls that fail on one rank
-only; both ranks draw the same sequence. Checked after every call on every
+add_param_group, params made non-contiguous and group settings edited (on both
+ranks, or on one only: the next step is refused on both) between calls, over
+DTensor params (Shard(0), Replicate) and plain ones, with calls that fail on
+one rank only; both ranks draw the same sequence. Checked after every call on every
 rank against a single-process reference (support/sequence_dist_cases.py).
 One spawned gloo world; the CI profile runs 16 sequences of up to 20 calls,
 MUON_EXT_LONG_SEQUENCES=1 runs 150 of up to 40 (`-s` prints the counts)."""

@@ -182,6 +182,90 @@ def test_changed_blocks_with_normuon_statistics_are_refused_before_writing():
     assert torch.equal(p, before)
 
 
+def _two_groups(offload, spec=(8, 8, 8, 8), beta2=0.95):
+    """An optimizer stepping a plain Muon group first, then a row-blocked one (FP32 masters resident and staged
+    alike), after one step."""
+    torch.manual_seed(0)
+    a, p = torch.nn.Parameter(torch.randn(8, 8)), torch.nn.Parameter(_whole())
+    opt = MuonAdamW([dict(params=[a], kind="muon"), dict(params=[p], row_blocks=spec, beta2=beta2, **SETTINGS)],
+                    offload=offload, store_param_remainders=False)
+    a.grad, p.grad = torch.randn(8, 8), _grads(1)[0]
+    opt.step()
+    return opt, a, p
+
+
+@pytest.mark.parametrize("new_blocks", [None, (16, 16), (8, 8, 8, 8)])
+def test_row_blocks_edit_is_refused_or_honoured_alike_resident_and_staged(new_blocks):
+    """Statistics laid out for other blocks: refused before any group is written, in the same words, resident and
+    staged (before, the staged step raised inside the kernel after stepping the other group, or read 4-block
+    statistics as 2-block ones); the same layout ((8, 8, 8, 8) again) steps, to the same bits."""
+    from support.optimizer_snapshot import snapshot
+
+    results = []
+    for offload in ("none", "cpu"):
+        opt, a, p = _two_groups(offload)
+        opt.param_groups[1]["row_blocks"] = new_blocks
+        a.grad, p.grad = torch.randn(8, 8), _grads(2)[1]
+        before = snapshot(opt)
+        try:
+            opt.step()
+            results.append(("stepped", a.detach().clone(), p.detach().clone()))
+        except ValueError as exc:
+            assert snapshot(opt) == before
+            results.append((str(exc), None, None))
+    (resident, ra, rp), (staged, sa, sp) = results
+    assert resident == staged
+    if new_blocks == (8, 8, 8, 8):
+        assert resident == "stepped" and torch.equal(ra, sa) and torch.equal(rp, sp)
+    else:
+        assert "laid out for other row blocks" in resident
+
+
+def test_normuon_switched_on_after_a_row_blocks_edit_steps_alike_resident_and_staged():
+    """NorMuon off, row_blocks edited, NorMuon on: the resident path makes the statistics in the new layout; the
+    staged path moves the param's state to a slab laid out for it (its old region was never used): same bits."""
+    out = []
+    for offload in ("none", "cpu"):
+        opt, a, p = _two_groups(offload, beta2=None)
+        opt.param_groups[1].update(row_blocks=(16, 16), beta2=0.95)
+        for g in _grads(3)[1:]:
+            a.grad, p.grad = torch.ones(8, 8), g
+            opt.step()
+        out.append((p.detach().clone(), opt.state[p]["second_momentum_buffer"].clone(),
+                    opt.get_full_parameter_master(p)))
+    assert out[0][1].shape == (32, 1)  # two [16, 1]; the slab region was laid out for four [1, 12]
+    for resident, staged in zip(*out):
+        assert torch.equal(resident, staged)
+
+
+@pytest.mark.parametrize("offload", ["none", "cpu"])
+def test_checkpoint_with_other_row_blocks_is_refused_with_groups_unchanged(offload):
+    """A checkpoint whose row_blocks need another statistics layout than this optimizer holds is refused before
+    the groups are replaced (before: a bare RuntimeError after the group took the checkpoint's row_blocks, and
+    every later step raised); the optimizer keeps stepping. Into an optimizer without statistics (NorMuon off)
+    it loads, resident and staged alike, and adopts the checkpoint's row_blocks."""
+    from support.optimizer_snapshot import snapshot
+
+    saved, _, _ = _two_groups("none", spec=(16, 16))
+    sd = saved.state_dict()
+    opt, a, p = _two_groups(offload)
+    before = snapshot(opt)
+    with pytest.raises(ValueError, match=r"load_state_dict: param group 1 \(muon\), param 0: optimizer state "
+                                         r"'second_momentum_buffer' .* has shape \(48, 1\), and row_blocks=\(16, 16\) "
+                                         r"needs \(32, 1\)"):
+        opt.load_state_dict(sd)
+    assert snapshot(opt) == before
+    a.grad, p.grad = torch.randn(8, 8), _grads(2)[1]
+    opt.step()
+    fresh, a, p = _two_groups(offload, beta2=None)
+    fresh.load_state_dict(sd)
+    assert fresh.param_groups[1]["row_blocks"] == (16, 16)
+    assert torch.equal(fresh.state[p]["second_momentum_buffer"], saved.state[saved.param_groups[1]["params"][0]][
+        "second_momentum_buffer"])
+    a.grad, p.grad = torch.randn(8, 8), _grads(2)[1]
+    fresh.step()
+
+
 def test_block_statistics_shared_by_two_params_are_refused_before_writing():
     """Blocked statistics have a shape of their own (csrc/step_checks.h, StateShape::kGiven): they are checked and
     recorded for the overlap check like every other state tensor."""

@@ -129,3 +129,23 @@ def test_bad_split_polar_is_refused():
 
     with pytest.raises(ValueError, match="split_polar"):
         MuonAdamW([dict(params=[torch.nn.Parameter(torch.randn(4, 4))], kind="muon", split_polar="owner")])
+
+
+def test_split_polar_is_the_earlier_name_of_split_matrices():
+    """Groups and checkpoints written with `split_polar` ("exchange" / "gram") load as `split_matrices`
+    ("gather" / "in_place"); a value of neither name is refused, naming the key."""
+    from muon_ext import MuonAdamW
+
+    p = torch.nn.Parameter(torch.randn(4, 4))
+    opt = MuonAdamW([dict(params=[p], kind="muon", split_polar="gram")])
+    assert opt.param_groups[0]["split_matrices"] == "in_place" and "split_polar" not in opt.param_groups[0]
+    saved = opt.state_dict()
+    saved["param_groups"][0].pop("split_matrices")
+    saved["param_groups"][0]["split_polar"] = "exchange"
+    opt.load_state_dict(saved)
+    assert opt.param_groups[0]["split_matrices"] == "gather" and "split_polar" not in opt.param_groups[0]
+    with pytest.raises(ValueError, match="split_matrices must be one of"):
+        MuonAdamW([dict(params=[torch.nn.Parameter(torch.randn(4, 4))], kind="muon", split_matrices="gram")])
+    with pytest.raises(ValueError, match="polar_method='gram' with split_matrices='in_place'"):
+        MuonAdamW([dict(params=[torch.nn.Parameter(torch.randn(4, 4))], kind="muon", split_matrices="in_place",
+                        polar_method="gram")])

@@ -162,3 +162,23 @@ def test_get_full_parameter_master_refuses_foreign_params(case):
     params, opt = _trained("bf16_remainder")
     with pytest.raises(ValueError, match="not a parameter of this optimizer"):
         opt.get_full_parameter_master(select(params[0]))
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_update_local_masters_checks_every_param_before_writing_any(mode):
+    """update_local_masters: several params' (local) masters written like update_param, every one checked first:
+    a bad value for the second param leaves the first unchanged; get_local_master reads it back."""
+    params, opt = _trained(mode)
+    values = [_new_values(params[0].shape), _new_values(params[2].shape)]
+    before = snapshot(opt)
+    for bad, match in ((values[1][:-1], "shape"), (values[1] * float("nan"), "NaN or inf"), (values[1].double(), "float32")):
+        with pytest.raises((TypeError, ValueError), match=match):
+            opt.update_local_masters([params[0], params[2]], [values[0], bad])
+        assert snapshot(opt) == before
+    with pytest.raises(ValueError, match="1 values for 2 params"):
+        opt.update_local_masters([params[0], params[2]], values[:1])
+    opt.update_local_masters([params[0], params[2]], values)
+    for p, v in zip((params[0], params[2]), values):
+        master = opt.get_local_master(p)
+        assert_bit_equal(master, opt.get_full_parameter_master(p), "local master")
+        assert_bit_equal(master, v.contiguous() if mode != "bf16_direct" else v.bfloat16().float(), "written")

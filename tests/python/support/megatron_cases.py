@@ -376,6 +376,88 @@ def qk_clip_matches_megatron_math_at_tp2() -> None:
         assert torch.equal(p.detach(), after["module." + n]), n
 
 
+def qk_clip_scales_local_rows_without_tp_collectives() -> None:
+    """clip_qk at TP=2 (BF16 + remainders; every tp_mode: DTensor views or plain local shards) where only some
+    ranks' query groups exceed the threshold, next to negative and zero logits: every rank returns without a
+    collective over the TP group (no gather, no update_param: each scales its local master rows), only groups
+    above the threshold are scaled (eta = threshold / max logit; a group at or below it never changes, never
+    grows). A refusal on one rank (NaN logits) raises on every rank before any layer is written, and keeps the
+    logits for a retry."""
+    for mode in ("duplicated", "distributed", "blockwise"):
+        _qk_clip_on_local_rows(mode)
+        from megatron.core import parallel_state
+        parallel_state.destroy_model_parallel()
+
+
+def _qk_clip_on_local_rows(mode: str) -> None:
+    import pytest
+    from megatron.core import parallel_state
+
+    from muon_ext.megatron import clip_qk
+
+    threshold, alpha = 10.0, 0.5
+    model, opt = build(2, model_kwargs=dict(heads=4, query_groups=2, qk_clip=True, qk_clip_threshold=threshold,
+                                            qk_clip_alpha=alpha), muon_tp_mode=mode)
+    train(model, opt, 1)
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    layers = [m for m in model.modules() if hasattr(m, "linear_qkv") and hasattr(m, "core_attention")]
+    given = [[[50.0, 20.0], [1.0, 2.0]], [[-3.0, -1.0], [0.0, 30.0]]]  # [layer][TP rank]: one query group each
+    local = [lambda m=m: opt.optimizer.get_local_master(opt.view_of(m.linear_qkv.weight)) for m in layers]
+    before = [read() for read in local]
+
+    def whole_matrix_call(*args, **kwargs):
+        raise AssertionError("clip_qk gathered or updated a whole matrix over the TP group")
+
+    inner = opt.optimizer
+    inner.gather_full_parameter_master = inner.update_param = whole_matrix_call
+    try:
+        for layer, logits in zip(layers, given):
+            layer.core_attention.current_max_attn_logits = torch.tensor(logits[rank])
+        if rank == 1:
+            layers[1].core_attention.current_max_attn_logits = torch.tensor([float("nan"), 1.0])
+        with pytest.raises(Exception, match="NaN or inf" if rank == 1 else "refused on another rank"):
+            clip_qk([model], opt)
+        assert all(torch.equal(read(), b) for read, b in zip(local, before)), mode
+        assert all(m.core_attention.current_max_attn_logits is not None for m in layers)
+        layers[1].core_attention.current_max_attn_logits = torch.tensor(given[1][rank])
+        largest = clip_qk([model], opt)
+    finally:
+        del inner.gather_full_parameter_master, inner.update_param
+    assert largest == max(max(logits[rank]) for logits in given), largest
+    kv = layers[0].config.kv_channels
+    for k, (read, b) in enumerate(zip(local, before)):
+        want, top = b.clone(), max(given[k][rank])
+        if top > threshold:
+            eta = threshold / torch.tensor([top])
+            want[:2 * kv] *= eta ** alpha
+            want[2 * kv:3 * kv] *= eta ** (1 - alpha)
+        assert torch.equal(read(), want), (mode, k, rank)
+        assert bool((read().abs() <= b.abs()).all())
+
+
+def qk_clip_leaves_groups_at_or_below_the_threshold() -> None:
+    """TP=1, alpha 1: a query group whose max logit is negative (eta = threshold / max would be negative, a
+    "clip" multiplying its Q rows by -2) or zero is left as it is; the group above the threshold in the same
+    layer is scaled, and every layer is written (before, alpha 0.5 raised after clipping the first layer)."""
+    from muon_ext.megatron import clip_qk
+
+    model, opt = build(1, model_kwargs=dict(query_groups=2, qk_clip=True, qk_clip_threshold=2.0, qk_clip_alpha=1.0),
+                       muon_tp_mode="blockwise")
+    train(model, opt, 1)
+    layers = [m for m in model.modules() if hasattr(m, "linear_qkv") and hasattr(m, "core_attention")]
+    weights = [opt.view_of(m.linear_qkv.weight) for m in layers]
+    before = [opt.optimizer.get_local_master(w) for w in weights]
+    layers[0].core_attention.current_max_attn_logits = torch.tensor([5.0, 0.5, 0.0, 0.0])  # group 1: max 0
+    layers[1].core_attention.current_max_attn_logits = torch.tensor([5.0, -3.0, -1.0, -2.0])  # group 1: max -1
+    clip_qk([model], opt)
+    after = [opt.optimizer.get_local_master(w) for w in weights]
+    per_group = after[0].shape[0] // 2
+    for a, b in zip(after, before):
+        assert not torch.equal(a[:per_group], b[:per_group])  # group 0 (max 5) clipped
+        assert torch.equal(a[per_group:], b[per_group:])  # group 1 left as it is
+        assert bool((a.abs() <= b.abs()).all())
+
+
 def _save(model, opt, path: str) -> None:
     import os
 
@@ -444,3 +526,38 @@ def dist_checkpoint_across_tp(path: str) -> None:
         _load(model, opt, where)
         got = replay(model, opt, grads[2:])
         compare(got, want[2:], f"resumed TP={first} -> TP={second}", 0.0)
+
+
+def layer_wise_owns_a_share_and_matches_replicated() -> None:
+    """layer_wise_distributed_optimizer=True at DP=2 (TP=1, and TP=2 "blockwise" on 4 ranks): each rank keeps
+    about half the optimizer state, and the params equal the replicated optimizer's bit for bit over 3 steps
+    (NorMuon on); its state_dict() (the whole state, on every rank) loads into the replicated optimizer and
+    both continue alike."""
+    from megatron.core import parallel_state
+    from muon_ext.distributed.ownership import state_bytes
+    from muon_ext.megatron import get_megatron_muon_optimizer
+
+    tp = 2 if dist.get_world_size() == 4 else 1
+    settings = dict(muon_tp_mode="blockwise")
+    init_parallel(tp)
+    assert parallel_state.get_data_parallel_world_size() == 2
+    ref_model = tiny_gpt()
+    ref = get_megatron_muon_optimizer(optimizer_config(**settings), [ref_model], beta2=0.95)
+    model = tiny_gpt()
+    opt = get_megatron_muon_optimizer(optimizer_config(**settings), [model], beta2=0.95,
+                                      layer_wise_distributed_optimizer=True)
+    ref_losses, _ = train(ref_model, ref, 3)
+    losses, _ = train(model, opt, 3)
+    assert losses == ref_losses
+    for (n, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters()):
+        assert torch.equal(p, q), n
+    mine, whole = state_bytes(opt.optimizer.state), state_bytes(ref.optimizer.state)
+    totals = torch.tensor([float(mine)], dtype=torch.float64)
+    dist.all_reduce(totals, group=parallel_state.get_data_parallel_group())
+    assert float(totals) == whole and mine <= 0.75 * whole, (mine, whole)
+    saved = copy.deepcopy(opt.state_dict())
+    ref.load_state_dict(saved)
+    train(ref_model, ref, 1, first=3)
+    train(model, opt, 1, first=3)
+    for (n, p), (_, q) in zip(model.named_parameters(), ref_model.named_parameters()):
+        assert torch.equal(p, q), n

@@ -265,7 +265,7 @@ def _plain_reference(opt, layout: Layout, mode: str):
     reference_of, groups = {}, []
     for group in opt.optimizer.param_groups:
         outer = opt.param_groups[group["megatron_group"]]
-        settings = {k: v for k, v in group.items() if k not in ("params", "param_names", "split_polar")}
+        settings = {k: v for k, v in group.items() if k not in ("params", "param_names", "split_matrices")}
         for inner in group["params"]:
             name = by_inner[id(inner)]
             whole = (layout.whole(name, "init") * 0.05).to(torch.bfloat16)

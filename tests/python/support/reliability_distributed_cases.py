@@ -212,7 +212,68 @@ def load_and_add_param_group_refuse_on_every_rank(rank, world, mesh):
     assert len(opt.param_groups) == 3
 
 
-CASES = [zero_size_dtensor_params_are_skipped, writer_failing_on_one_rank_raises_on_every_rank,
+def row_block_scales_out_of_range_are_refused_on_every_rank(rank, world, mesh):
+    """Rank 0's shard holds only block 0, whose scale is fine; the block-1 scale overflows the lr: both ranks
+    refuse before writing (the planner checks every block's lr and weight decay, not the kernel)."""
+    ps = [torch.nn.Parameter(dtensor(_values((8, 6), k), mesh, [Shard(0)])) for k in range(2)]
+    opt = MuonAdamW([dict(params=ps, kind="muon", row_blocks=(4, 4), row_block_scales=(1.0, 1e300))],
+                    adapters=False)
+    for k, p in enumerate(ps):
+        p.grad = dtensor(_values((8, 6), 10 + k), mesh, [Shard(0)])
+    before = snapshot(opt)
+    _expect_everywhere(rank, opt.step, r"row_block_scales\[1\]=1e\+300 gives row block 1 a lr of 1e\+297", "")
+    assert snapshot(opt) == before
+    opt.param_groups[0]["row_block_scales"] = (1.0, 2.0)
+    opt.step()
+
+
+def lr_edited_on_one_rank_is_refused_on_every_rank(rank, world, mesh):
+    """A scheduler stepped on one rank only (a float lr, or a CPU tensor lr written in place): the step's
+    settings digest holds the lr, so every rank refuses before writing; Replicate() copies stay identical."""
+    p = torch.nn.Parameter(dtensor(_values((8, 6), 20), mesh, [Replicate()]))
+    for lr in (0.02, torch.tensor(0.02)):
+        opt = MuonAdamW([dict(params=[p], kind="muon", lr=lr)], adapters=False)
+        p.grad = dtensor(_values((8, 6), 21), mesh, [Replicate()])
+        opt.step()
+        before = snapshot(opt)
+        if rank == 1:
+            if isinstance(lr, torch.Tensor):
+                lr.fill_(0.05)
+            else:
+                opt.param_groups[0]["lr"] = 0.05
+        _expect_everywhere(rank, opt.step, "group settings of the DTensor params differ across ranks", "")
+        if rank == 0:
+            assert snapshot(opt) == before
+        assert snapshot(opt)["params"] == before["params"]  # the edited rank's group holds its edit
+        opt.param_groups[0]["lr"] = lr.fill_(0.05) if isinstance(lr, torch.Tensor) else 0.05
+        opt.step()
+        parts = [torch.empty(8, 6) for _ in range(world)]
+        dist.all_gather(parts, p.to_local().contiguous())
+        assert torch.equal(parts[0], parts[1])
+
+
+def update_local_masters_agrees_over_its_process_group(rank, world, mesh):
+    """update_local_masters writes each rank's own shard without a collective over the param's mesh; with a
+    process group, a refusal on one rank (NaN values there) raises on every rank before any rank writes."""
+    w = torch.nn.Parameter(dtensor(_values((8, 6), 30), mesh, [Shard(0)]))
+    plain = torch.nn.Parameter(_values((4,), 31))
+    opt = MuonAdamW([{"params": [w], "kind": "muon"}, {"params": [plain], "kind": "adamw"}], adapters=False)
+    before = snapshot(opt)
+    mine = opt.get_local_master(w) * 0.5
+    bad = mine.clone()
+    if rank == 1:
+        bad[0, 0] = float("nan")
+    _expect_everywhere(rank, lambda: opt.update_local_masters([plain, w], [plain.detach() * 2, bad],
+                                                              process_group=dist.group.WORLD),
+                       "NaN or inf", r"update_local_masters: refused on another rank", on_ranks=[1])
+    assert snapshot(opt) == before
+    opt.update_local_masters([plain, w], [plain.detach() * 2, mine], process_group=dist.group.WORLD)
+    assert torch.equal(opt.get_local_master(w), mine) and torch.equal(w.to_local(), mine)
+    assert torch.equal(opt.gather_full_parameter_master(w), _values((8, 6), 30) * 0.5)
+
+
+CASES = [update_local_masters_agrees_over_its_process_group, row_block_scales_out_of_range_are_refused_on_every_rank, lr_edited_on_one_rank_is_refused_on_every_rank,
+         zero_size_dtensor_params_are_skipped, writer_failing_on_one_rank_raises_on_every_rank,
          differing_settings_are_refused_at_construction, step_refuses_divergent_settings_and_one_sided_grad_scaler,
          load_and_add_param_group_refuse_on_every_rank]
 

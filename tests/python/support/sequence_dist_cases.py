@@ -111,10 +111,10 @@ class Twin:
                 _same(torch.as_tensor(got).float(), torch.as_tensor(self.ref.state[r][key]).float(),
                       f"param {i} '{key}'")
 
-    def apply(self, name: str, mine: Callable, theirs: Callable, collective: bool) -> None:
+    def apply(self, name: str, mine: Callable, theirs: Callable, collective: bool) -> int:
         """Runs `mine`; checks the rule (and, for a collective call, that every rank had the same outcome);
         mirrors a completed call on the reference with `theirs`; compares (a rank-local call may complete on
-        one rank and raise on another)."""
+        one rank and raise on another). Returns the outcome."""
         before = snapshot(self.opt)
         self.stats["calls"] += 1
         self.stats[f"calls.{name}"] = self.stats.get(f"calls.{name}", 0) + 1
@@ -137,6 +137,7 @@ class Twin:
         else:
             theirs()
         self.compare()  # on every rank, whatever the outcome here: its gathers are collectives
+        return outcome
 
 
 def _same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
@@ -148,16 +149,23 @@ def _same(a: torch.Tensor, b: torch.Tensor, what: str) -> None:
 # -- calls ------------------------------------------------------------------
 
 
+def _set_grads(t: Twin, seed: int, present) -> None:
+    """The same full grads on both ranks' params (split like them) and on the reference's (None where absent)."""
+    for i, (p, r, pl) in enumerate(zip(t.params, t.ref_params, t.placements)):
+        g = _values(r.shape, seed + i).to(t.dtype) if present[i] else None
+        r.grad = g
+        p.grad = None if g is None else t._dist(g, pl)
+
+
 def _step(t: Twin, rnd: random.Random) -> None:
     seed = rnd.randrange(10**6)
     n = len(t.params)
     kind = rnd.choice(["all", "all", "some", "grad_on_one_rank", "odd_grad_on_one_rank", "released_on_one_rank"])
     present = [rnd.random() < 0.7 for _ in range(n)] if kind == "some" else [True] * n
     odd, odd_rank = rnd.randrange(n), rnd.randrange(2)
+    _set_grads(t, seed, present)
     for i, (p, r, pl) in enumerate(zip(t.params, t.ref_params, t.placements)):
-        g = _values(r.shape, seed + i).to(t.dtype) if present[i] else None
-        r.grad = g
-        p.grad = None if g is None else t._dist(g, pl)
+        g = r.grad
         if i != odd or t.rank != odd_rank:
             continue
         if kind == "grad_on_one_rank" and pl is not None:
@@ -285,6 +293,41 @@ def _add_group(t: Twin, rnd: random.Random) -> None:
     t.apply("add_param_group", mine, theirs, collective=True)
 
 
+# What a scheduler or a user edits between steps, per group kind: (key, new value).
+SETTING_EDITS = {
+    "muon": [("lr", 0.05), ("weight_decay", 0.0), ("momentum", 0.9), ("nesterov", False), ("beta2", 0.9),
+             ("ns_steps", 3), ("lr_scale", "match_rms_adamw"), ("polar_dtype", "float32")],
+    "adamw": [("lr", 0.02), ("weight_decay", 0.0), ("betas", (0.8, 0.99)), ("eps", 1e-6),
+              ("bias_correction", False)],
+}
+
+
+def _edit_settings(t: Twin, rnd: random.Random) -> None:
+    """A group setting edited between steps: on both ranks (mirrored on the reference; later steps use it), or
+    on one rank only (a scheduler stepped there alone): then a step with grads everywhere must be refused on
+    every rank with nothing changed (the step's settings digest), and the edit is undone on that rank."""
+    g = rnd.randrange(len(GROUPS))
+    edits = SETTING_EDITS[t.opt.param_groups[g]["kind"]]
+    lr_first = rnd.random() < 0.4  # the lr (what schedulers edit) more often than the rest
+    key, value = _pick(rnd, edits)
+    key, value = edits[0] if lr_first else (key, value)
+    one_rank = rnd.choice([None, 0, 1])
+    seed = rnd.randrange(10**6)
+    group = t.opt.param_groups[g]
+    if one_rank is None:
+        group[key] = t.ref.param_groups[g][key] = value
+        t.stats["edit.both"] = t.stats.get("edit.both", 0) + 1
+        return
+    old = group[key]
+    if t.rank == one_rank:
+        group[key] = value
+    _set_grads(t, seed, [True] * len(t.params))
+    outcome = t.apply("step", t.opt.step, t.ref.step, collective=True)
+    assert outcome == RAISED or old == value, f"'{key}' edited on rank {one_rank} only, and the step completed"
+    group[key] = old
+    t.stats[f"edit.one_rank.{key}"] = t.stats.get(f"edit.one_rank.{key}", 0) + 1
+
+
 def _layout_change(t: Twin, rnd: random.Random) -> None:
     """Between calls, as a model conversion would, on one rank or both: a plain param's data becomes
     non-contiguous (values kept), or contiguous again. No call is made."""
@@ -297,7 +340,7 @@ def _layout_change(t: Twin, rnd: random.Random) -> None:
 
 
 RULES = [_step, _step, _step, _update_param, _update_param, _register, _unregister, _fix_writers,
-         _save_and_load, _add_group, _layout_change]
+         _save_and_load, _add_group, _layout_change, _edit_settings]
 
 
 def run_sequences(rank: int, world: int, first_seed: int, sequences: int, calls: int, stats_path: str) -> None:

@@ -88,20 +88,10 @@ def write_assets(folder: str, vocab_size: int = 512) -> dict:
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     os.makedirs(folder, exist_ok=True)
-    words = ["muon", "adam", "matrix", "orthogonal", "gradient", "tensor", "shard", "rank", "step", "loss",
-             "the", "a", "of", "and", "to", "is", "every", "row", "column", "owner"]
-    gen = torch.Generator().manual_seed(0)
-    lines = []
-    for i in range(400):
-        n = 30 + int(torch.randint(0, 30, (1,), generator=gen))
-        idx = torch.randint(0, len(words), (n,), generator=gen)
-        # A repeating structure (word k follows word k-1 mostly) so the loss can fall.
-        lines.append(" ".join(words[(int(idx[0]) + j * (1 + i % 3)) % len(words)] if j % 4 else words[int(idx[j])]
-                              for j in range(n)))
+    lines = _lines(400, seed=0)
     tokenizer_dir = os.path.join(folder, "tokenizer")
-    data_dir = os.path.join(folder, "data")
+    data_dir = write_data(os.path.join(folder, "data"), lines)
     os.makedirs(tokenizer_dir, exist_ok=True)
-    os.makedirs(data_dir, exist_ok=True)
     special = ["<|begin_of_text|>", "<|end_of_text|>"]
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -110,10 +100,33 @@ def write_assets(folder: str, vocab_size: int = 512) -> dict:
     with open(os.path.join(tokenizer_dir, "tokenizer_config.json"), "w") as f:
         json.dump({"bos_token": special[0], "eos_token": special[1], "add_bos_token": True,
                    "add_eos_token": True}, f)
-    with open(os.path.join(data_dir, "train.json"), "w") as f:
-        for line in lines:
-            f.write(json.dumps({"text": line}) + "\n")
     return {"tokenizer": tokenizer_dir, "data": data_dir}
+
+
+def _lines(count: int, seed: int) -> list:
+    """`count` lines of text from 20 words, drawn from generator `seed`."""
+    words = ["muon", "adam", "matrix", "orthogonal", "gradient", "tensor", "shard", "rank", "step", "loss",
+             "the", "a", "of", "and", "to", "is", "every", "row", "column", "owner"]
+    gen = torch.Generator().manual_seed(seed)
+    lines = []
+    for i in range(count):
+        n = 30 + int(torch.randint(0, 30, (1,), generator=gen))
+        idx = torch.randint(0, len(words), (n,), generator=gen)
+        # A repeating structure (word k follows word k-1 mostly) so the loss can fall.
+        lines.append(" ".join(words[(int(idx[0]) + j * (1 + i % 3)) % len(words)] if j % 4 else words[int(idx[j])]
+                              for j in range(n)))
+    return lines
+
+
+def write_data(data_dir: str, lines=None, *, count: int = 400, seed: int = 0) -> str:
+    """A JSON text dataset (torchtitan's "c4_test" format) in `data_dir`: `lines`, or `count` lines drawn
+    from generator `seed` (another seed than write_assets' 0: held-out text of the same kind); returns
+    `data_dir`."""
+    os.makedirs(data_dir, exist_ok=True)
+    with open(os.path.join(data_dir, "train.json"), "w") as f:
+        for line in lines if lines is not None else _lines(count, seed):
+            f.write(json.dumps({"text": line}) + "\n")
+    return data_dir
 
 
 def llama3_config(assets: dict, out: str, *, optimizer: str, steps: int, dp_shard: int = 1, tp: int = 1,

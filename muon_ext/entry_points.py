@@ -1,4 +1,4 @@
-"""Adapters: installed packages that hook into every MuonAdamW (e.g. register
+"""Entry points: installed packages that hook into every MuonAdamW (e.g. register
 param writers for their params), found through the entry-point group
 "muon_ext.adapters" and called as `adapter(optimizer)` after construction."""
 
