@@ -1,9 +1,9 @@
 """torchtitan's llama3 debug model (2 layers, seq 64), or its qwen3 MoE debug
 recipe made small (`--model qwen3_moe`: 4 routed experts, top 2, a shared
-expert, the load-balancing expert bias), with MuonAdamW or torchtitan's AdamW,
-on a CPU-only machine (gloo), printing the loss of every 25th step and the final
-losses (mean of the last 10 steps; held-out). It applies the CPU patches
-torchtitan 0.3.0 needs and writes a small tokenizer and dataset
+expert, the load-balancing expert bias; `--ep` expert parallel), with MuonAdamW or
+torchtitan's AdamW, on a CPU-only machine (gloo), printing the loss of every
+25th step and the final losses (mean of the last 10 steps; held-out). It applies the CPU
+patches torchtitan 0.3.0 needs and writes a small tokenizer and dataset
 (tests/python/support/titan_cpu.py); on GPUs use
 examples/torchtitan_muon/config_registry.py with torchtitan's own launcher.
 
@@ -56,8 +56,8 @@ def _worker(rank, args, optimizer, folder, port):
         config = titan_cpu.qwen3_moe_config(assets, out, optimizer=optimizer, steps=args.steps,
                                             dp_shard=args.dp_shard, ep=args.ep, batch=args.batch)
     else:
-        config = titan_cpu.llama3_config(assets, out, optimizer=optimizer, steps=args.steps,
-                                         dp_shard=args.dp_shard, tp=args.tp, batch=args.batch)
+        config = titan_cpu.llama3_config(assets, out, optimizer=optimizer, steps=args.steps, dp_shard=args.dp_shard,
+                                         tp=args.tp, batch=args.batch)
     config.lr_scheduler.warmup_steps = max(1, args.steps // 20)
     # Held-out loss at the last step: text of the same kind from other random draws (the training set is 400
     # lines, seen several times over, so the training loss also measures memorization).
@@ -124,7 +124,8 @@ def main(argv=None):
                 print(f"{names[optimizer]} step {r['step']:4d}  loss {r['loss']:.4f}", flush=True)
     print(compare.summarize(runs, held_out))
     compare.save(runs, held_out, pathlib.Path(args.plot).with_name("metrics.json"))
-    if compare.plot(runs, pathlib.Path(args.plot), f"torchtitan llama3 debug model (2 layers), lr {args.lr:g}"):
+    title = "qwen3 MoE debug model (small)" if args.model == "qwen3_moe" else "llama3 debug model (2 layers)"
+    if compare.plot(runs, pathlib.Path(args.plot), f"torchtitan {title}, lr {args.lr:g}"):
         print(f"plot: {args.plot}")
     return runs, held_out
 
