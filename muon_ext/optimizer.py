@@ -265,8 +265,13 @@ class MuonAdamW(torch.optim.Optimizer):
         return plain[0].device if plain else torch.device("cpu")
 
     def _plain_params(self) -> List[torch.Tensor]:
-        """The optimizer's plain (non-DTensor) params, in group order: the same list on every rank."""
-        return [info.param for info in self._states.infos.values() if not is_dtensor(info.param)]
+        """The optimizer's plain (non-DTensor) params, in group order: the same list on every rank. Made again
+        only when the table grew (add_param_group), not at every step."""
+        count, plain = getattr(self, "_plain_cache", (-1, []))
+        if count != len(self._states.infos):
+            plain = [info.param for info in self._states.infos.values() if not is_dtensor(info.param)]
+            self._plain_cache = (len(self._states.infos), plain)
+        return plain
 
     # ------------------------------------------------------------------
     # Masters
@@ -306,7 +311,7 @@ class MuonAdamW(torch.optim.Optimizer):
         if is_dtensor(param):
             agree_on_checks(param, checks, "update_param")
         elif self._ownership is not None:  # a collective: every data-parallel rank writes, or none
-            self._ownership.refuse_together(checks, param.device, "update_param")
+            agreement.refuse_together(self._ownership.group, checks, "update_param")
         else:
             checks()
         if self._ownership is None or self._ownership.owns(param):
@@ -340,8 +345,8 @@ class MuonAdamW(torch.optim.Optimizer):
         info = self._states.info(param)
         if self._ownership is not None and not is_dtensor(param):  # from its owner, to every rank
             owned = self._ownership.owns(param)
-            master = self._ownership.refuse_together(
-                lambda: self.get_full_parameter_master(param) if owned else None, param.device,
+            master = agreement.refuse_together(
+                self._ownership.group, lambda: self.get_full_parameter_master(param) if owned else None,
                 "gather_full_parameter_master")
             if master is None:
                 master = torch.empty(param.shape, dtype=torch.float32, device=param.device)
@@ -484,9 +489,9 @@ class MuonAdamW(torch.optim.Optimizer):
         for hook in self._optimizer_state_dict_pre_hooks.values():
             hook(self)
         if self._ownership is not None:  # a collective: every rank gets the whole state, from the owners
-            self._ownership.refuse_together(
-                lambda: self._check_params(self._states.infos.values(), all_state=False, reading=True),
-                self._device(), "state_dict")
+            agreement.refuse_together(
+                self._ownership.group,
+                lambda: self._check_params(self._states.infos.values(), all_state=False, reading=True), "state_dict")
             state_dict = checkpoint.state_dict(self.param_groups, self._states, self._ownership)
         else:
             self._check_params(self._states.infos.values(), all_state=False, reading=True)
@@ -522,7 +527,7 @@ class MuonAdamW(torch.optim.Optimizer):
         params = [info.param for info in self._states.infos.values()]
         meshes = agreement.meshes_of(params)
         if self._ownership is not None:  # every data-parallel rank loads, or none
-            checked = self._ownership.refuse_together(checks, self._device(), "load_state_dict")
+            checked = agreement.refuse_together(self._ownership.group, checks, "load_state_dict")
         else:
             # DTensor params: every rank loads, or none (and with the same settings).
             checked = agreement.agree_over_params("load_state_dict", params, checks,

@@ -92,13 +92,11 @@ class ResidentRunner:
 
     # -- one item ---------------------------------------------------------
 
-    def _run_item(self, item: WorkItem, state: StateLists, scalers: GradScalerInputs, checked=None,
-                  agreed: Optional[Dict] = None) -> None:
+    def _run_item(self, item: WorkItem, state: StateLists, scalers: GradScalerInputs, checked, agreed: Dict) -> None:
         """`checked`: the planner's token for this item's lists (buckets.PlannedItem), handed to the op.
         `agreed`: the step's GradScaler inputs per mesh, filled at a mesh's first item."""
         if item.mesh is not None:  # the ranks of a mesh skip or step together
-            inv_scale, found_inf = mesh_scalers(item.mesh, item.params[0].device, scalers,
-                                                {} if agreed is None else agreed)
+            inv_scale, found_inf = mesh_scalers(item.mesh, item.params[0].device, scalers, agreed)
         if item.exchange is not None:  # rows travel to each matrix's owner and back (distributed/step.py)
             item.exchange.run(item, self.states, inv_scale, found_inf, self.max_workspace_bytes)
             self._write(item, None, found_inf)
@@ -158,9 +156,11 @@ class ResidentRunner:
             if second_momentum_buffers is None:  # beta2 was switched on after construction
                 for p in item.owners:
                     self.states.init(self.states.info(p), group)
-                second_momentum_buffers = [local(self.states.tensors[p]["second_momentum_buffer"]) for p in item.owners]
+                second_momentum_buffers = [local(self.states.tensors[p]["second_momentum_buffer"])
+                                           for p in item.owners]
         grads, moms = item.grads, state["momentum_buffer"]
         if view == "flatten":  # the only view that is not the tensors themselves
             params, grads, moms, masters = ([as_matrices(t, view) for t in ts] for ts in (params, grads, moms, masters))
-        row_blocks.muon_step(item.blocks, group, params, grads, moms, second_momentum_buffers, masters, inv_scale=inv_scale,
+        row_blocks.muon_step(item.blocks, group, params, grads, moms, second_momentum_buffers, masters,
+                             inv_scale=inv_scale,
                              found_inf=found_inf, max_workspace_bytes=self.max_workspace_bytes, checked=checked)

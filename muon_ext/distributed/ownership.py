@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import heapq
 import zlib
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, TypeVar
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -24,8 +24,6 @@ import torch.distributed as dist
 from .._shapes import matrix_shape
 from .._torch_compat import foreach_copy_
 from .._types import ParamInfo
-
-T = TypeVar("T")
 
 __all__ = ["assign_owners", "polar_flops", "Ownership", "data_parallel_group_of", "state_bytes", "imbalance"]
 
@@ -133,23 +131,6 @@ class Ownership:
         if self.world * squares != total * total:
             raise ValueError("MuonAdamW.step: the group settings or params differ across the data-parallel ranks "
                              "(edited on some ranks only?); nothing was written on any rank")
-
-    def refuse_together(self, checks: Callable[[], T], device: torch.device, what: str) -> T:
-        """Runs `checks` (its result returned), then agrees over the group: a failure on any rank raises on every
-        rank (its own error where it failed) before any writes."""
-        error, result = None, None
-        try:
-            result = checks()
-        except Exception as exc:  # re-raised after the collective every rank joins
-            error = exc
-        refused = torch.tensor([int(error is not None)], dtype=torch.int64, device=device)
-        dist.all_reduce(refused, group=self.group)
-        if error is not None:
-            raise error
-        if int(refused.item()):
-            raise RuntimeError(f"{what}: refused on another data-parallel rank (see its error); nothing was "
-                               "written on any rank")
-        return result
 
     def share(self, params: List[torch.Tensor]) -> int:
         """Every param from its owner to every rank: per dtype, one all_gather of each rank's owned params

@@ -31,7 +31,7 @@ from ..schema import SUPPORTED_DTYPES
 from .agreement import device_lr_digest, step_digest
 from .exchange import exchange_replicated, exchange_sharded
 from .ownership import polar_flops
-from .placements import Layout, dim_indices, expected_local_shape, is_split, layout_of, local, matrix_layout
+from .placements import Layout, dim_indices, expected_local_shape, is_split, local, matrix_layout
 from .stacks import matrices
 from .shard_group import ShardGroup, shard_group
 from .state import stats_follow_rows, stats_local_shape
@@ -260,20 +260,19 @@ class DistributedStep:
             items += _local_items(Bucket(gi, "adamw", [e.info.param for e in entries]), groups[gi], entries,
                                   tensors, ("exp_avg", "exp_avg_sq", "step"), None)
         first = 0  # the owner of each exchange group's first matrix: rotates, so that small groups spread out
-        in_place: Dict[Tuple, List[MuonMatrices]] = {}  # (mesh, mesh dim) -> matrices split there, in order
+        in_place: Dict[Tuple, WorkItem] = {}  # (mesh, mesh dim) -> the one item of the matrices split there
         for (gi, rows, cols, _, _), entries in muon:
             group, p = groups[gi], entries[0].info.param
             # a stack's layout is its matrices' (docs/design.md, "Expert stacks"): a split of the batch dim
             # leaves whole matrices on each rank
             layout, shape = matrix_layout(p, group["matrix_view"])
-            stack = len(shape) < p.dim()
             bucket = Bucket(gi, "muon", [e.info.param for e in entries])
             blocks = row_blocks.of_group(group, rows)  # each block a matrix of its own (docs/design.md,
             # "Row blocks"): cut at the owners' orthogonalization and at phase 3, on the rows each rank holds
-            same_shape = MuonMatrices(group, rows, cols, entries, blocks, stack)
+            same_shape = MuonMatrices(group, rows, cols, entries, blocks, layout, shape)
             if not layout.split_dims and not layout.replicate_dims:  # every matrix whole, no one to share with
                 items += _local_items(bucket, group, entries, tensors, _MUON_KEYS, blocks)
-            elif len(layout.split_dims) == 1 and not layout.replicate_dims and not stack and \
+            elif len(layout.split_dims) == 1 and not layout.replicate_dims and not same_shape.stack and \
                     group.get("split_matrices", "gather") == "in_place":
                 key = (layout.mesh, layout.split_dims[0])
                 if key not in in_place:  # one item for all of them, where the first of them is
@@ -304,12 +303,10 @@ class DistributedStep:
             for e in entries:
                 if "second_momentum_buffer" not in tensors[e.info.param]:  # beta2 switched on after construction
                     states.init(e.info, group)
-        view = group["matrix_view"]
-        split = layout_of(entries[0].info.param).split_dims
-        stack = sub.stack
+        view, split = group["matrix_view"], sub.layout.split_dims and not sub.stack
 
         def mat(t):  # the kernels' view; a rank's block of a split matrix is [local rows, local cols]
-            return t.reshape(t.shape[0], math.prod(t.shape[1:])) if split and not stack else as_matrices(t, view)
+            return t.reshape(t.shape[0], math.prod(t.shape[1:])) if split else as_matrices(t, view)
 
         moms = [mat(local(tensors[e.info.param]["momentum_buffer"])) for e in entries]
         updates = [m.new_empty(m.shape) for m in moms]
@@ -344,9 +341,7 @@ class DistributedStep:
               found_inf) -> None:
         """Muon on matrices split or replicated over their mesh: phase 1 on the local rows, phase 2 where each
         matrix is whole (its owner, by the exchange), phase 3 on the local rows."""
-        group, rows, cols, entries, blocks = sub[:5]
-        # a stack's layout is its matrices' (docs/design.md, "Expert stacks"): the exchange runs per matrix
-        layout, shape = matrix_layout(entries[0].info.param, group["matrix_view"])
+        group, rows, cols, entries, layout = sub.group, sub.rows, sub.cols, sub.entries, sub.layout
         mat, updates, stats = self._momentum(sub, states, inv_scale, found_inf)
         split, replicas = layout.split_dims, layout.replicate_dims
 
@@ -356,7 +351,7 @@ class DistributedStep:
             self.polar_flops += len(whole) * polar_flops(*whole[0].shape[-2:], group["ns_steps"])
 
         def orthogonalize(whole: List[torch.Tensor], whole_stats: List[torch.Tensor]) -> None:
-            row_blocks.orthogonalize_blocks(blocks, whole, whole_stats, orthogonalize_matrices)
+            row_blocks.orthogonalize_blocks(sub.blocks, whole, whole_stats, orthogonalize_matrices)
 
         mats, mat_stats = matrices(updates), matrices(stats)  # one 2-D view per matrix: a stack's experts one by one
         if not mats:  # a stack with no matrix here, nor on the ranks sharing its work
@@ -365,7 +360,7 @@ class DistributedStep:
             self.bytes_sent += exchange_replicated(layout.ranks(replicas[0]), mats, mat_stats, orthogonalize, first)
         else:
             stats_sharded = bool(stats) and stats_follow_rows(entries[0].info.param, group)
-            shards = self._shard_group(layout, shape)
+            shards = self._shard_group(layout, sub.shape)
 
             def in_shard_group(ups: List[torch.Tensor], sts: List[torch.Tensor]) -> int:
                 return exchange_sharded(shards, rows, cols, ups, sts, stats_sharded, orthogonalize, first)
@@ -385,13 +380,13 @@ class DistributedStep:
         if found_inf is not None and bool(found_inf.item()):  # a skipped step moves nothing, statistics included
             return
         phase1 = [self._momentum(sub, states, inv_scale, found_inf) for sub in subs]
-        layout = layout_of(subs[0].entries[0].info.param)
+        layout = subs[0].layout  # a plain matrix's layout: stacks take the owner exchange
         mesh_dim = layout.split_dims[0]
         process_group = layout.mesh.get_group(mesh_dim)
         mesh_shape, coordinate = tuple(layout.mesh.mesh.shape), layout.mesh.get_coordinate()
         batches, normuon, written = [], [], []
         for sub, (_, updates, stats) in zip(subs, phase1):
-            group, rows, cols, entries, blocks = sub[:5]
+            group, rows, cols, entries, blocks = sub.group, sub.rows, sub.cols, sub.entries, sub.blocks
             p = entries[0].info.param
             shard_dim = 0 if p.placements[mesh_dim].dim == 0 else 1
             held = dim_indices(rows, 0, mesh_shape, p.placements, coordinate) if shard_dim == 0 else \
@@ -425,15 +420,21 @@ _MUON_KEYS = ("momentum_buffer", "second_momentum_buffer")
 
 
 class MuonMatrices(NamedTuple):
-    """A Muon group's same-shape DTensor matrices with one layout, as an exchange takes them; `stack`: the
-    params are stacks of matrices (matrix_view="batch"), each placed as the stack's layout says."""
+    """A Muon group's same-shape DTensor matrices with one layout, as an exchange takes them: `layout` and
+    `shape` are each matrix's (placements.matrix_layout: a stack's matrices are placed as its split says)."""
 
     group: dict
     rows: int
     cols: int
     entries: List[_Entry]
     blocks: object  # row_blocks.RowBlocks or None
-    stack: bool = False
+    layout: Layout
+    shape: Tuple[int, ...]
+
+    @property
+    def stack(self) -> bool:
+        """The params are stacks of matrices (matrix_view="batch" on more than 2 dims)."""
+        return len(self.shape) < self.entries[0].info.param.dim()
 
 
 class MuonExchange(NamedTuple):
@@ -482,8 +483,6 @@ def _local_items(bucket: Bucket, group: dict, entries: List[_Entry], tensors: Ma
     for batch in _batches(entries, lambda e: (e.param.dtype, e.info.master_mode, e.grad.dtype)):
         state = [tensors[e.info.param] for e in batch]
         lists = {key: [local(s[key]) for s in state] if all(key in s for s in state) else None for key in keys}
-        if bucket.kind == "muon" and group["beta2"] is None:
-            lists["second_momentum_buffer"] = []
         if "master_param" in state[0]:
             lists["master_param"] = [local(s["master_param"]) for s in state]
         item = WorkItem(bucket, group, [e.param for e in batch], [e.grad for e in batch], blocks,
