@@ -31,8 +31,8 @@ _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 def state_dict(groups: List[dict], states: OptimizerState, ownership=None) -> dict:
     """torch's layout (params by index), with every master as a new FP32 tensor. Under data-parallel
-    `ownership` (distributed/ownership.py) a collective: each entry from its param's owner, so that every rank
-    holds the whole state, loadable at any data-parallel size."""
+    `ownership` (distributed/ownership.py) a collective: every rank packs the entries it owns and one
+    all_gather of them gives every rank the whole state, loadable at any data-parallel size."""
     states.pending.resolve()  # a pending master may still rewrite its param (FP32 params included)
     index = {}
     packed_groups = []
@@ -43,28 +43,16 @@ def state_dict(groups: List[dict], states: OptimizerState, ownership=None) -> di
     packed_state = {}
     for group in groups:
         for p in group["params"]:
-            info = states.info(p)
             if ownership is not None and not ownership.owns(p):
-                entry = _empty_entry(states, info, group)  # filled from the owner below
-            else:
-                entry = dict(states.tensors[p])
-                if "master_param" in entry:
-                    entry["master_param"] = states.read_master(info)
-            if ownership is not None:
-                for key in sorted(entry):
-                    ownership.broadcast_from_owner(entry[key], p)
+                continue  # its owner packs it
+            entry = dict(states.tensors[p])
+            if "master_param" in entry:
+                entry["master_param"] = states.read_master(states.info(p))
             packed_state[index[id(p)]] = entry
+    if ownership is not None:
+        params = {index[id(p)]: p for group in groups for p in group["params"]}
+        packed_state = ownership.gather_entries(packed_state, params)
     return {"state": packed_state, "param_groups": packed_groups}
-
-
-def _empty_entry(states: OptimizerState, info, group: dict) -> Dict:
-    """A param's state entry as `state_dict` packs it (every master as FP32), uninitialized: what a
-    non-owner receives its owner's entry into."""
-    scratch: Dict = {}
-    OptimizerState({info.param: scratch}, states.master_weights, states.store_param_remainders).init(info, group)
-    if "master_param" in scratch:
-        scratch["master_param"] = torch.empty(info.param.shape, dtype=torch.float32, device=info.param.device)
-    return scratch
 
 
 def load_state_dict(groups: List[dict], states: OptimizerState, saved_dict: dict, *, capturable: bool) -> None:

@@ -180,6 +180,19 @@ class Ownership:
             self._share_key, self._share_plan_cache = key, plan
         return self._share_plan_cache
 
+    def gather_entries(self, owned: Dict[int, Dict], params: Dict[int, torch.Tensor]) -> Dict[int, Dict]:
+        """Every rank's `owned` state entries (index -> entry) on every rank, in index order, each tensor on its
+        param's device (`params`: index -> param): one all_gather of the entries as objects (on the CPU, so that
+        a tensor never lands on another rank's device). The entries travel as their owners made them: no rank
+        has to know another's keys or shapes (NorMuon statistics switched on, row blocks, masters)."""
+        on_cpu = {k: {key: v.cpu() if isinstance(v, torch.Tensor) else v for key, v in entry.items()}
+                  for k, entry in owned.items()}
+        parts: List[Optional[Dict]] = [None] * self.world
+        dist.all_gather_object(parts, on_cpu, group=self.group)
+        merged = {k: entry for part in parts for k, entry in part.items()}
+        return {k: {key: v.to(params[k].device) if isinstance(v, torch.Tensor) else v
+                    for key, v in merged[k].items()} for k in sorted(merged)}
+
     def broadcast_from_owner(self, tensor: torch.Tensor, param) -> None:
         """`tensor` (on every rank, the same shape) from the param's owner to every rank of the group."""
         dist.broadcast(tensor, src=self.owner_global_rank(param), group=self.group)

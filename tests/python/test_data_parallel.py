@@ -108,6 +108,22 @@ def _cases(rank, world):
                 assert torch.equal(_flat(half_params)[k], q), (what, "two ranks", k)
         dist.barrier()
 
+    # NorMuon switched on after construction, state_dict before any step: the owners' entries (without
+    # statistics yet) are what every rank gets, as in one process (no rank guesses another's keys)
+    def plain_muon(**kw):
+        muon, _, _, adamw = _params(torch.bfloat16)
+        return muon_ext.MuonAdamW([dict(params=muon, kind="muon", lr=0.02, beta2=None),
+                                   dict(params=adamw, kind="adamw", lr=1e-3)], **kw)
+
+    ref, opt = plain_muon(), plain_muon(data_parallel_group=dist.group.WORLD)
+    for o in (ref, opt):
+        o.param_groups[0]["beta2"] = 0.9
+    full, want = opt.state_dict(), ref.state_dict()
+    assert list(full["state"]) == list(want["state"])
+    for k, entry in want["state"].items():
+        assert sorted(full["state"][k]) == sorted(entry), k
+        assert all(torch.equal(full["state"][k][key], v) for key, v in entry.items()), k
+
     # one rank refuses (a bad lr there): every rank raises, nothing written anywhere
     params = _params(torch.bfloat16)
     opt = _optimizer(params, data_parallel_group=dist.group.WORLD)
